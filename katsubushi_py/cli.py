@@ -1,0 +1,189 @@
+"""The ``katsubushi-py`` command: serve IDs (the default), or one of the ID tools.
+
+    katsubushi-py --worker-id 1                 serve on 127.0.0.1:11212
+    katsubushi-py decode ID...                  one JSON line per ID
+    katsubushi-py id-at TIME                    the smallest ID at an instant
+    katsubushi-py partitions --start DATE --days N   MySQL PARTITION BY RANGE COLUMNS(id)
+
+Every failure is one line on stderr and a non-zero exit: 2 for bad input or configuration, 1 when
+the daemon cannot start or stops on an error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import sys
+import time
+from collections.abc import Callable, Sequence
+
+from . import __version__
+from .config import ConfigError, ServerConfig, _Parser, add_layout_options, layout_from_args, parse_server_config
+from .encodings import ENCODINGS
+from .errors import GenerationError
+from .generator import Generator
+from .layout import LayoutError
+from .tools import ToolError, decode_many, id_at, partitions
+
+PROG = "katsubushi-py"
+
+
+def _fail(message: str, status: int = 2) -> int:
+    print(f"{PROG}: error: {message}", file=sys.stderr)
+    return status
+
+
+# -- tools -----------------------------------------------------------------------------------------
+def _tool_parser(name: str, description: str) -> argparse.ArgumentParser:
+    parser = _Parser(prog=f"{PROG} {name}", description=description, allow_abbrev=False)
+    add_layout_options(parser)
+    return parser
+
+
+def cmd_decode(argv: Sequence[str]) -> int:
+    parser = _tool_parser("decode", "Print time, worker id and sequence of IDs as JSON lines.")
+    parser.add_argument("ids", nargs="*", help="IDs to decode; read from stdin when none are given")
+    parser.add_argument("--encoding", choices=list(ENCODINGS), default="dec", help="how the IDs are written")
+    args = parser.parse_args(argv)
+    layout = layout_from_args(args)
+    inputs = args.ids if args.ids else sys.stdin
+    status = 0
+    for line, ok in decode_many(layout, inputs, args.encoding):
+        if ok:
+            print(line, flush=False)
+        else:
+            sys.stdout.flush()
+            print(line, file=sys.stderr)
+            status = 2
+    return status
+
+
+def cmd_id_at(argv: Sequence[str]) -> int:
+    parser = _tool_parser("id-at", "Print the smallest ID of an instant (worker 0, sequence 0).")
+    parser.add_argument("time", help="ISO-8601 (UTC when no offset is given) or unix seconds, e.g. 1465276650.777")
+    args = parser.parse_args(argv)
+    layout = layout_from_args(args)
+    try:
+        print(id_at(layout, args.time))
+    except (ToolError, LayoutError) as exc:
+        return _fail(str(exc))
+    return 0
+
+
+def cmd_partitions(argv: Sequence[str]) -> int:
+    parser = _tool_parser("partitions", "Print MySQL PARTITION BY RANGE COLUMNS(id), one partition per day.")
+    parser.add_argument("--start", required=True, help="first day, e.g. 2026-01-01 or 2026-01-01T00:00+09:00")
+    parser.add_argument("--days", type=int, default=7, help="number of daily partitions (default 7)")
+    parser.add_argument("--table", help="emit ALTER TABLE <table> ... ")
+    parser.add_argument("--column", default="id", help="the ID column (default id)")
+    args = parser.parse_args(argv)
+    layout = layout_from_args(args)
+    try:
+        print(partitions(layout, args.start, args.days, table=args.table, column=args.column))
+    except (ToolError, LayoutError) as exc:
+        return _fail(str(exc))
+    return 0
+
+
+# -- serve -----------------------------------------------------------------------------------------
+class _JsonFormatter(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        doc = {
+            "time": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created))
+            + f".{int(record.msecs):03d}Z",
+            "level": record.levelname.lower(),
+            "msg": record.getMessage(),
+        }
+        if record.exc_info:
+            doc["error"] = self.formatException(record.exc_info)
+        return json.dumps(doc)
+
+
+def setup_logging(level: str, fmt: str) -> None:
+    handler = logging.StreamHandler(sys.stderr)
+    if fmt == "json":
+        handler.setFormatter(_JsonFormatter())
+    else:
+        handler.setFormatter(
+            logging.Formatter("%(asctime)s.%(msecs)03d %(levelname)s %(message)s", "%Y-%m-%dT%H:%M:%S")
+        )
+    root = logging.getLogger("katsubushi_py")
+    root.handlers[:] = [handler]
+    root.setLevel(level)
+    root.propagate = False
+
+
+def loop_factory(name: str) -> Callable[[], asyncio.AbstractEventLoop]:
+    if name in ("auto", "uvloop"):
+        try:
+            import uvloop
+        except ImportError:
+            if name == "uvloop":
+                raise ConfigError("--loop uvloop: uvloop is not installed") from None
+        else:
+            return uvloop.new_event_loop
+    return asyncio.new_event_loop
+
+
+def run_server(config: ServerConfig) -> int:
+    from .server import StartupError, serve
+
+    setup_logging(config.log_level, config.log_format)
+    log = logging.getLogger("katsubushi_py")
+    factory = loop_factory(config.loop)
+    try:
+        generator = Generator(
+            config.worker_id,
+            config.layout,
+            max_backwards_wait=config.max_clock_wait,
+            state_file=config.state_file,
+        )
+    except GenerationError as exc:
+        return _fail(str(exc), 1)
+    try:
+        with asyncio.Runner(loop_factory=factory) as runner:
+            runner.run(serve(config, generator))
+    except StartupError as exc:
+        return _fail(str(exc), 1)
+    except KeyboardInterrupt:  # a second Ctrl-C during the graceful stop
+        pass
+    finally:
+        try:
+            generator.close()
+        except GenerationError as exc:
+            log.error("could not store the final high-water mark: %s", exc)
+    log.info("stopped")
+    return 0
+
+
+def cmd_serve(argv: Sequence[str]) -> int:
+    config, _ = parse_server_config(argv, os.environ)
+    if config is None:
+        print(f"{PROG} version: {__version__}")
+        return 0
+    return run_server(config)
+
+
+COMMANDS: dict[str, Callable[[Sequence[str]], int]] = {
+    "serve": cmd_serve,
+    "decode": cmd_decode,
+    "id-at": cmd_id_at,
+    "partitions": cmd_partitions,
+}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    if args and args[0] in COMMANDS:
+        command, rest = COMMANDS[args[0]], args[1:]
+    else:
+        command, rest = cmd_serve, args
+    try:
+        return command(rest)
+    except ConfigError as exc:
+        return _fail(str(exc))
+    except BrokenPipeError:
+        return 0

@@ -1,0 +1,245 @@
+"""The daemon's configuration: command line, environment, validation. Nothing here opens a socket.
+
+go-katsubushi's spellings work unchanged (``-worker-id 7 -port 11212 -idle-timeout 10m``, and the
+environment variables ``WORKER_ID``, ``PORT``, ``SOCK``, ``IDLE_TIMEOUT``, ``LOG_LEVEL`` in upper or
+lower case); a flag wins over the environment. Every problem becomes one :class:`ConfigError` line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from .layout import DEFAULT_LAYOUT, KATSUBUSHI_EPOCH_MS, Layout, LayoutError
+from .tools import ToolError, parse_epoch
+
+DEFAULT_PORT = 11212
+DEFAULT_IDLE_TIMEOUT = 600.0
+DEFAULT_MAX_CONNECTIONS = 4096
+
+LOG_LEVELS = {
+    "debug": "DEBUG",
+    "info": "INFO",
+    "warn": "WARNING",
+    "warning": "WARNING",
+    "error": "ERROR",
+    "fatal": "CRITICAL",
+    "panic": "CRITICAL",
+    "critical": "CRITICAL",
+}
+
+# Flags whose value go-katsubushi also reads from the environment (name upper or lower case).
+ENV_FLAGS = ("worker_id", "port", "sock", "idle_timeout", "log_level")
+
+
+class ConfigError(ValueError):
+    """Configuration that cannot work; the message is the one line the user sees."""
+
+
+_DURATION_PART = re.compile(r"(\d+(?:\.\d*)?|\.\d+)(ns|us|µs|μs|ms|s|m|h)")
+_UNIT_SECONDS = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "μs": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}
+
+
+def parse_duration(text: str, name: str = "duration") -> float:
+    """Seconds from a Go duration (``600s``, ``10m``, ``1h30m``, ``1.5h``, ``300ms``, ``0``) or bare
+    seconds (``600``, ``0.5``), which katsubushi v1 took and v2 rejects."""
+    raw = text.strip()
+    if re.fullmatch(r"\d+(\.\d*)?|\.\d+", raw):
+        return float(raw)
+    pos, total = 0, 0.0
+    for match in _DURATION_PART.finditer(raw):
+        if match.start() != pos:
+            break
+        total += float(match.group(1)) * _UNIT_SECONDS[match.group(2)]
+        pos = match.end()
+    if pos != len(raw) or not raw:
+        raise ConfigError(f"invalid {name} {text!r}: use seconds or a Go duration such as 600s, 10m or 1h30m")
+    return total
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    worker_id: int
+    host: str = "127.0.0.1"
+    port: int | None = DEFAULT_PORT  # None: no TCP listener (unix socket only)
+    sock: str | None = None
+    sock_mode: int | None = None
+    idle_timeout: float = DEFAULT_IDLE_TIMEOUT  # 0 = never
+    max_connections: int = DEFAULT_MAX_CONNECTIONS
+    log_level: str = "INFO"
+    log_format: str = "text"
+    state_file: str | None = None
+    max_clock_wait: float = 1.0
+    layout: Layout = DEFAULT_LAYOUT
+    loop: str = "auto"
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that raises instead of printing usage and exiting, so errors stay one line."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        raise ConfigError(message)
+
+
+def _flag(parser: argparse.ArgumentParser, name: str, **kwargs: object) -> None:
+    """Register ``--name`` and katsubushi's single-dash ``-name``."""
+    parser.add_argument(f"--{name}", f"-{name}", default=argparse.SUPPRESS, **kwargs)  # type: ignore[arg-type]
+
+
+def add_layout_options(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("ID layout (defaults are go-katsubushi's)")
+    group.add_argument(
+        "--epoch",
+        default=None,
+        help="epoch as ISO-8601 or unix ms (default 2015-01-01T00:00:00Z = 1420070400000)",
+    )
+    group.add_argument("--time-bits", type=int, default=41, help="bits of milliseconds (default 41)")
+    group.add_argument("--worker-bits", type=int, default=10, help="bits of worker id (default 10)")
+    group.add_argument("--sequence-bits", type=int, default=12, help="bits of sequence (default 12)")
+
+
+def layout_from_args(args: argparse.Namespace) -> Layout:
+    try:
+        epoch = KATSUBUSHI_EPOCH_MS if args.epoch is None else parse_epoch(args.epoch)
+        return Layout(
+            epoch_ms=epoch,
+            time_bits=args.time_bits,
+            worker_bits=args.worker_bits,
+            sequence_bits=args.sequence_bits,
+        )
+    except (LayoutError, ToolError) as exc:
+        raise ConfigError(str(exc)) from None
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(
+        prog="katsubushi-py",
+        description="Serve unique 64-bit IDs over the memcached protocol (GET a -> one ID).",
+        allow_abbrev=False,
+    )
+    _flag(parser, "worker-id", metavar="N", help="this daemon's worker id (env WORKER_ID); required")
+    _flag(parser, "host", metavar="ADDR", help="TCP address to listen on (default 127.0.0.1; 0.0.0.0 or :: for all)")
+    _flag(parser, "port", metavar="PORT", help=f"TCP port (default {DEFAULT_PORT}; env PORT)")
+    _flag(
+        parser,
+        "sock",
+        metavar="PATH",
+        help="unix socket path (env SOCK); alone it means no TCP, with an explicit --port both",
+    )
+    _flag(parser, "sock-mode", metavar="MODE", help="octal permissions of the unix socket, e.g. 0660")
+    _flag(
+        parser,
+        "idle-timeout",
+        metavar="DURATION",
+        help="close connections idle this long: 600, 600s, 10m, 1h30m; 0 = never (default 10m; env IDLE_TIMEOUT)",
+    )
+    _flag(
+        parser,
+        "max-connections",
+        metavar="N",
+        help=f"refuse connections beyond this many (default {DEFAULT_MAX_CONNECTIONS})",
+    )
+    _flag(parser, "log-level", metavar="LEVEL", help="debug, info, warn, error (default info; env LOG_LEVEL)")
+    _flag(parser, "log-format", metavar="FORMAT", choices=["text", "json"], help="text or json (default text)")
+    _flag(
+        parser,
+        "state-file",
+        metavar="PATH",
+        help="keep a high-water mark here so a restart never reissues IDs",
+    )
+    _flag(
+        parser,
+        "max-clock-wait",
+        metavar="DURATION",
+        help="how far behind the clock may be for the generator to wait instead of failing (default 1s)",
+    )
+    _flag(parser, "loop", metavar="LOOP", choices=["auto", "uvloop", "asyncio"], help="event loop (default auto)")
+    parser.add_argument("--version", "-version", action="store_true", help="print the version and exit")
+    add_layout_options(parser)
+    return parser
+
+
+def _env(environ: Mapping[str, str], name: str) -> str | None:
+    for key in (name.upper(), name.lower()):
+        value = environ.get(key)
+        if value:
+            return value
+    return None
+
+
+def _int(value: object, name: str, low: int, high: int | None = None) -> int:
+    try:
+        number = int(str(value).strip())
+    except ValueError:
+        raise ConfigError(f"invalid {name} {value!r}: not an integer") from None
+    if number < low or (high is not None and number > high):
+        bound = f"{low}..{high}" if high is not None else f">= {low}"
+        raise ConfigError(f"invalid {name} {number}: must be {bound}")
+    return number
+
+
+def parse_server_config(
+    argv: Sequence[str], environ: Mapping[str, str]
+) -> tuple[ServerConfig | None, argparse.Namespace]:
+    """Parse the serve command line. Returns (None, args) when only ``--version`` was asked for."""
+    args = build_parser().parse_args(list(argv))
+    if args.version:
+        return None, args
+    given = vars(args)
+    for name in ENV_FLAGS:
+        if name not in given:
+            value = _env(environ, name)
+            if value is not None:
+                given[name] = value
+
+    layout = layout_from_args(args)
+    if "worker_id" not in given:
+        raise ConfigError("set --worker-id N (or WORKER_ID); it must differ on every daemon that issues IDs")
+    worker_id = _int(given["worker_id"], "worker id", 0)
+    try:
+        layout.check_worker_id(worker_id)
+    except LayoutError as exc:
+        raise ConfigError(f"invalid worker id: {exc}") from None
+
+    sock = given.get("sock") or None
+    port_given = "port" in given
+    port: int | None = _int(given["port"], "port", 0, 65535) if port_given else DEFAULT_PORT
+    if sock and not port_given:
+        port = None  # as in katsubushi: --sock alone means unix socket only
+
+    sock_mode = None
+    if "sock_mode" in given:
+        if not sock:
+            raise ConfigError("--sock-mode needs --sock")
+        try:
+            sock_mode = int(str(given["sock_mode"]), 8)
+        except ValueError:
+            raise ConfigError(f"invalid sock mode {given['sock_mode']!r}: use octal such as 0660") from None
+        if not 0 <= sock_mode <= 0o777:
+            raise ConfigError(f"invalid sock mode {given['sock_mode']!r}: use octal such as 0660")
+
+    idle = parse_duration(str(given.get("idle_timeout", DEFAULT_IDLE_TIMEOUT)), "idle timeout")
+    max_wait = parse_duration(str(given.get("max_clock_wait", "1s")), "max clock wait")
+    level_name = str(given.get("log_level", "info")).lower()
+    if level_name not in LOG_LEVELS:
+        raise ConfigError(f"invalid log level {level_name!r}: use debug, info, warn, error")
+    max_conn = _int(given.get("max_connections", DEFAULT_MAX_CONNECTIONS), "max connections", 1)
+
+    config = ServerConfig(
+        worker_id=worker_id,
+        host=str(given.get("host", "127.0.0.1")),
+        port=port,
+        sock=sock,
+        sock_mode=sock_mode,
+        idle_timeout=idle,
+        max_connections=max_conn,
+        log_level=LOG_LEVELS[level_name],
+        log_format=str(given.get("log_format", "text")),
+        state_file=given.get("state_file") or None,
+        max_clock_wait=max_wait,
+        layout=layout,
+        loop=str(given.get("loop", "auto")),
+    )
+    return config, args

@@ -1,0 +1,273 @@
+"""The ID generator: one per worker id, strictly increasing, never a duplicate.
+
+Time is read from a monotonic clock anchored to the wall clock when the generator starts, so an NTP
+step or a manual ``date -s`` while running cannot move IDs backwards (the drift between the two clocks
+is reported by :meth:`Generator.drift_ms` so an operator can see it grow). Time can still be behind
+the last issued millisecond after :meth:`Generator.reanchor` or a restart; then the generator waits
+when the gap is small and raises :class:`ClockMovedBackwardsError` when it is not, and it never
+reissues.
+
+With a state file, a restart after the clock stepped back cannot reissue either: see
+:mod:`katsubushi_py.statefile`.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Protocol
+
+from .errors import (
+    ClockMovedBackwardsError,
+    GenerationError,
+    GeneratorClosedError,
+    LayoutExhaustedError,
+    StateFileError,
+)
+from .layout import DEFAULT_LAYOUT, Layout, format_time, ms_to_datetime
+from .statefile import StateFile
+
+__all__ = [
+    "Clock",
+    "ClockMovedBackwardsError",
+    "GenerationError",
+    "Generator",
+    "GeneratorClosedError",
+    "LayoutExhaustedError",
+    "StateFileError",
+    "SystemClock",
+]
+
+# Sleep for waits longer than this, then spin on the clock for the rest: a sleep overshoots by
+# tens of microseconds, which at the end of a millisecond would cost a tenth of the format's ceiling.
+_SPIN_BELOW_NS = 200_000
+_SLEEP_MARGIN_NS = 100_000
+
+
+class Clock(Protocol):
+    """Where the generator gets time from. Tests inject one they can step back and forth."""
+
+    def wall_ns(self) -> int: ...
+
+    def monotonic_ns(self) -> int: ...
+
+    def sleep(self, seconds: float) -> None: ...
+
+
+class SystemClock:
+    """The real clocks."""
+
+    wall_ns = staticmethod(time.time_ns)
+    monotonic_ns = staticmethod(time.monotonic_ns)
+    sleep = staticmethod(time.sleep)
+
+
+class Generator:
+    """Issues IDs for one worker id of one layout.
+
+    ``max_backwards_wait`` (seconds) is how far behind the last issued millisecond the clock may be
+    for the generator to wait rather than fail. With ``state_file``, a window of ``reserve_window``
+    seconds is durably reserved ahead of the IDs issued (one fsync per window, never per ID), and
+    ``max_start_wait`` bounds how long the constructor waits for the clock to pass the stored mark.
+    """
+
+    def __init__(
+        self,
+        worker_id: int,
+        layout: Layout = DEFAULT_LAYOUT,
+        *,
+        clock: Clock | None = None,
+        max_backwards_wait: float = 1.0,
+        state_file: str | StateFile | None = None,
+        reserve_window: float = 2.0,
+        max_start_wait: float | None = None,
+    ) -> None:
+        layout.check_worker_id(worker_id)
+        if max_backwards_wait < 0:
+            raise ValueError("max_backwards_wait must not be negative")
+        if reserve_window <= 0:
+            raise ValueError("reserve_window must be positive")
+        self.layout = layout
+        self.worker_id = worker_id
+        self._clock = clock or SystemClock()
+        self._mono = self._clock.monotonic_ns
+        self._lock = threading.Lock()
+        self._time_shift = layout.time_shift
+        self._worker_part = worker_id << layout.worker_shift
+        self._max_seq = layout.max_sequence
+        self._epoch_ms = layout.epoch_ms
+        self._max_backwards_ms = int(max_backwards_wait * 1000)
+        self._reserve_ms = max(1, int(reserve_window * 1000))
+        self.clock_backwards_events = 0
+        self.sequence_overflow_waits = 0
+        self._closed = False
+        self._anchor()
+        # Offsets (ms since the layout's epoch) of the last issued millisecond and its sequence.
+        self._last = -1
+        self._seq = self._max_seq
+        self._state: StateFile | None = None
+        self._reserved = layout.max_time_ms  # without a state file, only the layout limits us
+        self.high_water_ms: int | None = None
+        if state_file is not None:
+            self._state = state_file if isinstance(state_file, StateFile) else StateFile(state_file)
+            if max_start_wait is None:
+                max_start_wait = reserve_window + max_backwards_wait
+            self._resume_from_state(max_start_wait)
+        self._limit = min(self._reserved, layout.max_time_ms)
+        if self._state is not None:
+            # Reserve the first window now: an unwritable state file fails at start, not at the first GET.
+            self._cross_limit(max(self._now(), self._last + 1))
+
+    # -- time ------------------------------------------------------------------------------------
+    def _anchor(self) -> None:
+        self._anchor_mono = self._mono()
+        self._anchor_off = self._clock.wall_ns() // 1_000_000 - self._epoch_ms
+
+    def _now(self) -> int:
+        return self._anchor_off + (self._mono() - self._anchor_mono) // 1_000_000
+
+    def now_ms(self) -> int:
+        """The generator's idea of now, in unix ms."""
+        return self._now() + self._epoch_ms
+
+    def drift_ms(self) -> int:
+        """Wall clock minus the generator's clock, in ms: grows when NTP or a person steps the clock."""
+        return self._clock.wall_ns() // 1_000_000 - self.now_ms()
+
+    def reanchor(self) -> None:
+        """Take the wall clock's current time as the generator's. If that is behind the last issued
+        millisecond, later calls wait or fail as for any backwards clock; nothing is reissued."""
+        with self._lock:
+            self._anchor()
+
+    def _wait_until(self, target: int) -> int:
+        """Block until the clock reads ``target`` (an offset) or later; return the reading."""
+        sleep = self._clock.sleep
+        while True:
+            now = self._now()
+            if now >= target:
+                return now
+            remaining = (target - self._anchor_off) * 1_000_000 + self._anchor_mono - self._mono()
+            if remaining > _SPIN_BELOW_NS:
+                sleep((remaining - _SLEEP_MARGIN_NS) / 1e9)
+            else:
+                sleep(0)  # a short spin that still lets other threads run
+
+    # -- state file ------------------------------------------------------------------------------
+    def _resume_from_state(self, max_start_wait: float) -> None:
+        assert self._state is not None
+        mark = self._state.load()
+        if mark is None:
+            return
+        self.high_water_ms = mark
+        mark_off = mark - self._epoch_ms
+        gap = mark_off - self._now()
+        if gap >= 0:
+            if gap > max_start_wait * 1000:
+                raise ClockMovedBackwardsError(
+                    f"clock is {gap} ms behind the state file's mark {format_time(ms_to_datetime(mark))}"
+                    f" (more than the {max_start_wait:g} s we may wait): IDs up to that time may already"
+                    " have been issued; fix the clock or wait"
+                )
+            self._wait_until(mark_off + 1)
+        # Everything up to and including the mark's millisecond counts as issued.
+        self._last = mark_off
+        self._seq = self._max_seq
+        self._reserved = mark_off
+
+    def _cross_limit(self, now: int) -> None:
+        """Called when ``now`` passes the reserved mark or the layout's end: reserve or fail."""
+        if now > self.layout.max_time_ms:
+            raise LayoutExhaustedError(
+                f"layout {self.layout.describe()} ran out of time bits at {format_time(self.layout.lifetime_end)}"
+            )
+        if self._state is None:
+            return
+        reserved = min(now + self._reserve_ms, self.layout.max_time_ms)
+        self._state.store(reserved + self._epoch_ms, self.worker_id)
+        self._reserved = reserved
+        self.high_water_ms = reserved + self._epoch_ms
+        self._limit = min(reserved, self.layout.max_time_ms)
+
+    # -- issuing ---------------------------------------------------------------------------------
+    def _next_slot(self, now: int) -> int:
+        """Slow path: the clock is at or behind the last millisecond and its sequence is used up,
+        or it is behind. Wait for a fresh millisecond (bounded) and return it."""
+        if self._closed:
+            raise GeneratorClosedError("generator is closed")
+        last = self._last
+        if now < last:
+            self.clock_backwards_events += 1
+            gap = last - now
+            if gap > self._max_backwards_ms:
+                raise ClockMovedBackwardsError(
+                    f"clock moved backwards by {gap} ms (more than the {self._max_backwards_ms} ms we may wait)"
+                )
+        else:
+            self.sequence_overflow_waits += 1
+        now = self._wait_until(last + 1)
+        if now > self._limit:
+            self._cross_limit(now)
+        return now
+
+    def next_id(self) -> int:
+        """One ID, greater than every ID this generator issued before."""
+        with self._lock:
+            now = self._anchor_off + (self._mono() - self._anchor_mono) // 1_000_000
+            if now > self._last and not self._closed:
+                if now > self._limit:
+                    self._cross_limit(now)
+                self._last = now
+                self._seq = 0
+                return (now << self._time_shift) | self._worker_part
+            seq = self._seq + 1
+            if now == self._last and seq <= self._max_seq and not self._closed:
+                self._seq = seq
+                return (now << self._time_shift) | self._worker_part | seq
+            now = self._next_slot(now)
+            self._last = now
+            self._seq = 0
+            return (now << self._time_shift) | self._worker_part
+
+    def next_ids(self, n: int) -> list[int]:
+        """``n`` increasing IDs: one clock reading per millisecond, consecutive sequence numbers."""
+        if n <= 0:
+            return []
+        out: list[int] = []
+        with self._lock:
+            max_seq = self._max_seq
+            while n > 0:
+                now = self._now()
+                if now > self._last and not self._closed:
+                    if now > self._limit:
+                        self._cross_limit(now)
+                    first = 0
+                elif now == self._last and self._seq < max_seq and not self._closed:
+                    first = self._seq + 1
+                else:
+                    now = self._next_slot(now)
+                    first = 0
+                take = min(n, max_seq + 1 - first)
+                base = (now << self._time_shift) | self._worker_part
+                out.extend(range(base + first, base + first + take))
+                self._last = now
+                self._seq = first + take - 1
+                n -= take
+        return out
+
+    # -- lifecycle -------------------------------------------------------------------------------
+    @property
+    def last_issued_ms(self) -> int | None:
+        """Unix ms of the latest millisecond an ID may have been issued in (None before the first)."""
+        return None if self._last < 0 else self._last + self._epoch_ms
+
+    def close(self) -> None:
+        """Stop issuing and store the last issued millisecond as the mark, so that a clean restart
+        does not have to wait out the reserved window."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            if self._state is not None and self._last >= 0:
+                self._state.store(self._last + self._epoch_ms, self.worker_id)
+                self.high_water_ms = self._last + self._epoch_ms

@@ -1,0 +1,149 @@
+"""The memcached text protocol as go-katsubushi speaks it, sans-IO: bytes in, bytes out.
+
+:class:`TextConnection` holds one connection's unparsed bytes and turns everything that arrived into
+one reply, so the server writes pipelined answers with a single ``write`` and tests need no socket.
+
+Framing follows katsubushi: a line ends at LF with an optional CR before it; tokens are separated by
+ASCII whitespace (space, tab, and CR/VT/FF inside a line); the command word is case-insensitive; keys
+are echoed byte for byte. Where katsubushi is wrong we are not: a whitespace-only line answers
+``ERROR`` (it kills the Go daemon), an overlong line answers ``CLIENT_ERROR line too long`` before the
+close (Go resets silently), and a generation failure is ``SERVER_ERROR <reason>`` (Go says ``ERROR``).
+
+Buffer cost: at most ``max_line`` bytes are held between calls (64 KiB by default, as katsubushi),
+plus the bytes of the current call. A reply is at most about 30 bytes per key of the input.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from .errors import GenerationError
+from .generator import Generator
+from .stats import Stats
+
+#: katsubushi serves lines of up to 65,536 bytes including the LF, and drops longer ones.
+MAX_LINE = 65_536
+
+ERROR = b"ERROR\r\n"
+END = b"END\r\n"
+LINE_TOO_LONG = b"CLIENT_ERROR line too long\r\n"
+
+
+def _server_error(exc: BaseException) -> bytes:
+    text = " ".join(str(exc).split()) or type(exc).__name__
+    return b"SERVER_ERROR " + text.encode("ascii", "replace") + b"\r\n"
+
+
+class TextConnection:
+    """One client's side of the conversation.
+
+    After :meth:`receive`, ``closing`` says the server must close once the reply is written (QUIT,
+    or an overlong line), and ``commands`` counts complete lines seen so far (the idle timer uses it).
+    """
+
+    __slots__ = ("_buffer", "_commands", "_generator", "_max_line", "_stats", "_version", "closing", "commands")
+
+    def __init__(self, generator: Generator, stats: Stats, *, max_line: int = MAX_LINE) -> None:
+        self._generator = generator
+        self._stats = stats
+        self._max_line = max_line
+        self._buffer = b""
+        self._version = b"VERSION " + stats.version.encode() + b"\r\n"
+        self.closing = False
+        self.commands = 0
+        handlers: dict[bytes, Callable[[list[bytes]], bytes | None]] = {
+            b"get": self._get,
+            b"gets": self._get,
+            b"version": self._version_cmd,
+            b"stats": self._stats_cmd,
+            b"quit": self._quit,
+        }
+        # The two usual spellings are looked up directly; anything else is lower-cased first.
+        self._commands = {**handlers, **{name.upper(): h for name, h in handlers.items()}}
+
+    def receive(self, data: bytes) -> bytes:
+        """Take newly arrived bytes; return the reply to everything complete in them."""
+        if self.closing:
+            return b""
+        if self._buffer:
+            data = self._buffer + data
+            self._buffer = b""
+        newline = data.find(b"\n")
+        if newline < 0:
+            return self._hold(data)
+        if newline == len(data) - 1 and newline < self._max_line:
+            # The usual case: exactly one complete command.
+            self.commands += 1
+            return self._line(data[:-1]) or b""
+        out: list[bytes] = []
+        start = 0
+        while newline >= 0:
+            if newline - start >= self._max_line:
+                out.append(LINE_TOO_LONG)
+                self.closing = True
+                return b"".join(out)
+            self.commands += 1
+            reply = self._line(data[start:newline])
+            if reply is None:  # QUIT: what came after it is not answered
+                return b"".join(out)
+            out.append(reply)
+            start = newline + 1
+            newline = data.find(b"\n", start)
+        out.append(self._hold(data[start:]))
+        return b"".join(out)
+
+    def _hold(self, rest: bytes) -> bytes:
+        """Keep an incomplete line, unless it is already too long to ever be served."""
+        if len(rest) >= self._max_line:
+            self.closing = True
+            self._buffer = b""
+            return LINE_TOO_LONG
+        self._buffer = rest
+        return b""
+
+    def _line(self, line: bytes) -> bytes | None:
+        tokens = line.split()
+        if not tokens:
+            return ERROR
+        handler = self._commands.get(tokens[0]) or self._commands.get(tokens[0].lower())
+        if handler is None:
+            return ERROR
+        return handler(tokens)
+
+    # -- commands --------------------------------------------------------------------------------
+    def _get(self, tokens: list[bytes]) -> bytes:
+        stats = self._stats
+        stats.cmd_get += 1  # katsubushi counts the command even when it then fails for lack of a key
+        count = len(tokens) - 1
+        if count == 1:
+            try:
+                value = b"%d" % self._generator.next_id()
+            except GenerationError as exc:
+                stats.get_misses += 1
+                return _server_error(exc)
+            stats.get_hits += 1
+            return b"VALUE %b 0 %d\r\n%b\r\nEND\r\n" % (tokens[1], len(value), value)
+        if count == 0:
+            return ERROR
+        try:
+            ids = self._generator.next_ids(count)
+        except GenerationError as exc:
+            stats.get_misses += 1
+            return _server_error(exc)
+        stats.get_hits += count
+        parts = []
+        for key, id_ in zip(tokens[1:], ids, strict=True):
+            value = b"%d" % id_
+            parts.append(b"VALUE %b 0 %d\r\n%b\r\n" % (key, len(value), value))
+        parts.append(END)
+        return b"".join(parts)
+
+    def _version_cmd(self, tokens: list[bytes]) -> bytes:
+        return self._version
+
+    def _stats_cmd(self, tokens: list[bytes]) -> bytes:
+        return self._stats.render(self._generator)
+
+    def _quit(self, tokens: list[bytes]) -> None:
+        self.closing = True
+        return None

@@ -1,0 +1,266 @@
+"""The asyncio daemon: listeners, connections, limits, shutdown. The protocol itself is elsewhere.
+
+Each connection is an ``asyncio.Protocol`` that hands bytes to a sans-IO
+:class:`~katsubushi_py.protocol.TextConnection` and writes its reply once. This layer only does what
+needs the event loop: flow control (stop reading from a client that does not read), the idle timeout,
+the connection limit, the unix socket file and a graceful stop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import errno
+import logging
+import os
+import resource
+import signal
+import socket
+import stat
+from typing import Any, cast
+
+from . import __version__
+from .config import ServerConfig
+from .generator import Generator
+from .protocol import TextConnection
+from .stats import Stats
+
+log = logging.getLogger("katsubushi_py")
+
+TOO_MANY_CONNECTIONS = b"SERVER_ERROR too many connections\r\n"
+
+# File descriptors the process needs besides its client connections (listeners, logs, state file).
+_SPARE_FDS = 32
+
+
+class StartupError(RuntimeError):
+    """The daemon cannot start (port in use, live daemon on the socket, ...): one line for the user."""
+
+
+class ConnectionHandler(asyncio.Protocol):
+    """One client connection: thin glue between the transport and the sans-IO protocol."""
+
+    __slots__ = ("_conn", "_daemon", "_idle_handle", "_last_commands", "_transport")
+
+    def __init__(self, daemon: Daemon) -> None:
+        self._daemon = daemon
+        self._transport: asyncio.Transport | None = None
+        self._conn: TextConnection | None = None
+        self._idle_handle: asyncio.TimerHandle | None = None
+        self._last_commands = 0
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        transport = cast(asyncio.Transport, transport)  # uvloop's transports do not subclass asyncio's
+        daemon = self._daemon
+        stats = daemon.stats
+        if len(daemon.connections) >= daemon.config.max_connections or daemon.stopping:
+            stats.rejected_connections += 1
+            transport.write(TOO_MANY_CONNECTIONS)
+            transport.close()
+            return
+        self._transport = transport
+        self._conn = TextConnection(daemon.generator, stats)
+        daemon.connections.add(self)
+        stats.curr_connections += 1
+        stats.total_connections += 1
+        if daemon.config.idle_timeout > 0:
+            self._idle_handle = daemon.loop.call_later(daemon.config.idle_timeout, self._check_idle)
+
+    def data_received(self, data: bytes) -> None:
+        conn = self._conn
+        if conn is None:
+            return
+        reply = conn.receive(data)
+        transport = cast(asyncio.Transport, self._transport)
+        if reply:
+            transport.write(reply)
+        if conn.closing:
+            transport.close()
+
+    def _check_idle(self) -> None:
+        """Runs once per idle-timeout period, not per request: close only if no command completed
+        since the previous check, otherwise look again one period later."""
+        conn = self._conn
+        transport = self._transport
+        if conn is None or transport is None or transport.is_closing():
+            return
+        if conn.commands == self._last_commands:
+            log.debug("closing idle connection")
+            transport.close()
+            return
+        self._last_commands = conn.commands
+        self._idle_handle = self._daemon.loop.call_later(self._daemon.config.idle_timeout, self._check_idle)
+
+    def pause_writing(self) -> None:
+        # The client is not reading its replies: stop reading its requests until it catches up.
+        if self._transport is not None:
+            self._transport.pause_reading()
+
+    def resume_writing(self) -> None:
+        if self._transport is not None and not self._transport.is_closing():
+            self._transport.resume_reading()
+
+    def eof_received(self) -> bool:
+        return False  # close our side too; anything already answered has been written
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self._idle_handle is not None:
+            self._idle_handle.cancel()
+        if self._conn is not None and self in self._daemon.connections:
+            self._daemon.connections.discard(self)
+            self._daemon.stats.curr_connections -= 1
+            self._daemon.connection_closed()
+        self._conn = None
+
+    def close(self) -> None:
+        if self._transport is not None:
+            self._transport.close()
+
+    def abort(self) -> None:
+        if self._transport is not None:
+            self._transport.abort()
+
+
+def raise_fd_limit(needed: int) -> None:
+    """Raise the open-files soft limit to what the connection limit needs, as memcached does."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != resource.RLIM_INFINITY and soft < needed:
+        target = needed if hard == resource.RLIM_INFINITY else min(needed, hard)
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+            soft = target
+        except (ValueError, OSError) as exc:
+            log.warning("could not raise the open-files limit to %d: %s", needed, exc)
+    if soft != resource.RLIM_INFINITY and soft < needed:
+        log.warning(
+            "open-files limit is %d (hard limit %s) but --max-connections needs about %d;"
+            " connections beyond the limit will fail to be accepted",
+            soft,
+            hard,
+            needed,
+        )
+
+
+def prepare_unix_socket(path: str) -> None:
+    """Remove a socket file left by a killed daemon; refuse if a live one listens there."""
+    try:
+        mode = os.lstat(path).st_mode
+    except FileNotFoundError:
+        return
+    if not stat.S_ISSOCK(mode):
+        raise StartupError(f"{path} exists and is not a socket; refusing to replace it")
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        probe.settimeout(1.0)
+        probe.connect(path)
+    except (ConnectionRefusedError, FileNotFoundError):
+        log.info("removing stale unix socket %s (nothing listens on it)", path)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+        return
+    except OSError as exc:
+        raise StartupError(f"cannot check existing socket {path}: {exc.strerror or exc}") from None
+    finally:
+        probe.close()
+    raise StartupError(f"another daemon is listening on {path}")
+
+
+class Daemon:
+    """Listeners plus the shared generator and counters."""
+
+    def __init__(self, config: ServerConfig, generator: Generator, loop: asyncio.AbstractEventLoop) -> None:
+        self.config = config
+        self.generator = generator
+        self.loop = loop
+        self.stats = Stats(__version__, config.max_connections, config.idle_timeout)
+        self.connections: set[ConnectionHandler] = set()
+        self.servers: list[asyncio.AbstractServer] = []
+        self.stopping = False
+        self._all_closed: asyncio.Event | None = None
+        self.addresses: list[str] = []
+
+    def connection_closed(self) -> None:
+        if self._all_closed is not None and not self.connections:
+            self._all_closed.set()
+
+    async def start(self) -> None:
+        config = self.config
+        backlog = min(4096, max(128, config.max_connections))
+        if config.port is not None:
+            try:
+                server = await self.loop.create_server(
+                    lambda: ConnectionHandler(self), config.host, config.port, backlog=backlog, reuse_address=True
+                )
+            except OSError as exc:
+                reason = "address already in use" if exc.errno == errno.EADDRINUSE else (exc.strerror or str(exc))
+                raise StartupError(f"cannot listen on {config.host}:{config.port}: {reason}") from None
+            self.servers.append(server)
+            for sock in server.sockets:
+                host, port = sock.getsockname()[:2]
+                self.addresses.append(f"[{host}]:{port}" if ":" in host else f"{host}:{port}")
+        if config.sock:
+            prepare_unix_socket(config.sock)
+            try:
+                server = await self.loop.create_unix_server(
+                    lambda: ConnectionHandler(self), config.sock, backlog=backlog
+                )
+            except OSError as exc:
+                await self.close_listeners()
+                raise StartupError(f"cannot listen on {config.sock}: {exc.strerror or exc}") from None
+            self.servers.append(server)
+            if config.sock_mode is not None:
+                os.chmod(config.sock, config.sock_mode)
+            self.addresses.append(config.sock)
+
+    async def close_listeners(self) -> None:
+        for server in self.servers:
+            server.close()
+        for server in self.servers:
+            with contextlib.suppress(Exception):
+                await server.wait_closed()
+        self.servers.clear()
+        if self.config.sock:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.config.sock)
+
+    async def stop(self, grace: float = 0.8) -> None:
+        """Stop accepting, let every connection flush what it was already answered, then close."""
+        self.stopping = True
+        for server in self.servers:
+            server.close()
+        self._all_closed = asyncio.Event()
+        if self.connections:
+            for handler in list(self.connections):
+                handler.close()  # data already received was answered synchronously; close flushes it
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._all_closed.wait(), grace)
+            for handler in list(self.connections):
+                handler.abort()
+        await self.close_listeners()
+
+
+async def serve(config: ServerConfig, generator: Generator, ready: Any = None) -> None:
+    """Run until SIGTERM or SIGINT, then stop gracefully."""
+    loop = asyncio.get_running_loop()
+    daemon = Daemon(config, generator, loop)
+    raise_fd_limit(config.max_connections + _SPARE_FDS)
+    await daemon.start()
+    stop = asyncio.Event()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, stop.set)
+    log.info(
+        "katsubushi-py %s serving worker id %d on %s (loop %s)",
+        __version__,
+        generator.worker_id,
+        ", ".join(daemon.addresses),
+        type(loop).__module__.split(".")[0],
+    )
+    if ready is not None:
+        ready(daemon)
+    try:
+        await stop.wait()
+    finally:
+        log.info("stopping")
+        await daemon.stop()
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            loop.remove_signal_handler(signum)
