@@ -74,6 +74,7 @@ class ServerConfig:
     max_clock_wait: float = 1.0
     layout: Layout = DEFAULT_LAYOUT
     loop: str = "auto"
+    gets_cas: bool = False
 
 
 class _Parser(argparse.ArgumentParser):
@@ -156,6 +157,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="how far behind the clock may be for the generator to wait instead of failing (default 1s)",
     )
     _flag(parser, "loop", metavar="LOOP", choices=["auto", "uvloop", "asyncio"], help="event loop (default auto)")
+    parser.add_argument(
+        "--gets-cas",
+        action="store_true",
+        default=False,
+        help="answer GETS with a CAS field like memcached (katsubushi omits it; aiomcache's multi_get needs it)",
+    )
     parser.add_argument("--version", "-version", action="store_true", help="print the version and exit")
     add_layout_options(parser)
     return parser
@@ -241,5 +248,6 @@ def parse_server_config(
         max_clock_wait=max_wait,
         layout=layout,
         loop=str(given.get("loop", "auto")),
+        gets_cas=bool(args.gets_cas),
     )
     return config, args

@@ -43,7 +43,7 @@ class TextConnection:
 
     __slots__ = ("_buffer", "_commands", "_generator", "_max_line", "_stats", "_version", "closing", "commands")
 
-    def __init__(self, generator: Generator, stats: Stats, *, max_line: int = MAX_LINE) -> None:
+    def __init__(self, generator: Generator, stats: Stats, *, max_line: int = MAX_LINE, gets_cas: bool = False) -> None:
         self._generator = generator
         self._stats = stats
         self._max_line = max_line
@@ -53,7 +53,7 @@ class TextConnection:
         self.commands = 0
         handlers: dict[bytes, Callable[[list[bytes]], bytes | None]] = {
             b"get": self._get,
-            b"gets": self._get,
+            b"gets": self._gets_with_cas if gets_cas else self._get,
             b"version": self._version_cmd,
             b"stats": self._stats_cmd,
             b"quit": self._quit,
@@ -137,6 +137,17 @@ class TextConnection:
             parts.append(b"VALUE %b 0 %d\r\n%b\r\n" % (key, len(value), value))
         parts.append(END)
         return b"".join(parts)
+
+    def _gets_with_cas(self, tokens: list[bytes]) -> bytes:
+        """GETS as memcached answers it, with a CAS field (the ID itself), for clients such as
+        aiomcache's multi_get that insist on one. Off by default: katsubushi's clients reject it."""
+        reply = self._get(tokens)
+        if not reply.startswith(b"VALUE "):
+            return reply
+        lines = reply.split(b"\r\n")
+        for i in range(0, len(lines) - 2, 2):
+            lines[i] += b" " + lines[i + 1]
+        return b"\r\n".join(lines)
 
     def _version_cmd(self, tokens: list[bytes]) -> bytes:
         return self._version

@@ -59,7 +59,7 @@ class ConnectionHandler(asyncio.Protocol):
             transport.close()
             return
         self._transport = transport
-        self._conn = TextConnection(daemon.generator, stats)
+        self._conn = TextConnection(daemon.generator, stats, gets_cas=daemon.config.gets_cas)
         daemon.connections.add(self)
         stats.curr_connections += 1
         stats.total_connections += 1

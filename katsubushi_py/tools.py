@@ -76,9 +76,7 @@ def id_at(layout: Layout, text: str) -> int:
     return layout.compose(parse_time(text), 0, 0)
 
 
-def partitions(
-    layout: Layout, start: str, days: int, *, table: str | None = None, column: str = "id"
-) -> str:
+def partitions(layout: Layout, start: str, days: int, *, table: str | None = None, column: str = "id") -> str:
     """MySQL ``PARTITION BY RANGE COLUMNS(id)`` with one partition per day from ``start`` and pmax.
 
     Partition ``pYYYYMMDD`` holds the IDs issued on that day (in the start's UTC offset), so dropping it
@@ -106,9 +104,7 @@ def partitions(
             bound = layout.compose(datetime_to_ms(end), 0, 0)
         except LayoutError as exc:
             raise ToolError(str(exc)) from None
-        lines.append(
-            f"  PARTITION p{begin:%Y%m%d} VALUES LESS THAN ({bound}), -- before {format_time(end)}"
-        )
+        lines.append(f"  PARTITION p{begin:%Y%m%d} VALUES LESS THAN ({bound}), -- before {format_time(end)}")
     lines.append("  PARTITION pmax VALUES LESS THAN (MAXVALUE)")
     head = f"ALTER TABLE {table} " if table else ""
     return f"{head}PARTITION BY RANGE COLUMNS({column}) (\n" + "\n".join(lines) + "\n);"
