@@ -15,6 +15,9 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Iterator
+from itertools import islice
+from operator import length_hint
 from typing import Protocol
 
 from .errors import (
@@ -69,6 +72,13 @@ class Generator:
     for the generator to wait rather than fail. With ``state_file``, a window of ``reserve_window``
     seconds is durably reserved ahead of the IDs issued (one fsync per window, never per ID), and
     ``max_start_wait`` bounds how long the constructor waits for the clock to pass the stored mark.
+
+    How it stays fast and thread-safe: the current millisecond's unused IDs are a ``range`` iterator
+    (the "bucket"), and the monotonic-clock instant at which that millisecond ends is kept in ns.
+    ``next_id`` compares one clock reading with that instant and takes the next value from the
+    iterator; taking from an iterator is a single atomic step under the GIL, so that path needs no
+    lock. Everything else (a new millisecond, a used-up one, a clock behind, a state-file
+    reservation) happens under a lock in :meth:`_refill`.
     """
 
     def __init__(
@@ -94,7 +104,7 @@ class Generator:
         self._lock = threading.Lock()
         self._time_shift = layout.time_shift
         self._worker_part = worker_id << layout.worker_shift
-        self._max_seq = layout.max_sequence
+        self._bucket_size = layout.max_sequence + 1
         self._epoch_ms = layout.epoch_ms
         self._max_backwards_ms = int(max_backwards_wait * 1000)
         self._reserve_ms = max(1, int(reserve_window * 1000))
@@ -102,9 +112,11 @@ class Generator:
         self.sequence_overflow_waits = 0
         self._closed = False
         self._anchor()
-        # Offsets (ms since the layout's epoch) of the last issued millisecond and its sequence.
+        # The bucket: offset (ms since the layout's epoch) of the last millisecond handed out, the
+        # iterator over its unused IDs, and the monotonic ns at which it ends (-1: always refill).
         self._last = -1
-        self._seq = self._max_seq
+        self._bucket: Iterator[int] = iter(())
+        self._bucket_end_ns = -1
         self._state: StateFile | None = None
         self._reserved = layout.max_time_ms  # without a state file, only the layout limits us
         self.high_water_ms: int | None = None
@@ -139,6 +151,7 @@ class Generator:
         millisecond, later calls wait or fail as for any backwards clock; nothing is reissued."""
         with self._lock:
             self._anchor()
+            self._bucket_end_ns = -1
 
     def _wait_until(self, target: int) -> int:
         """Block until the clock reads ``target`` (an offset) or later; return the reading."""
@@ -172,7 +185,6 @@ class Generator:
             self._wait_until(mark_off + 1)
         # Everything up to and including the mark's millisecond counts as issued.
         self._last = mark_off
-        self._seq = self._max_seq
         self._reserved = mark_off
 
     def _cross_limit(self, now: int) -> None:
@@ -190,12 +202,16 @@ class Generator:
         self._limit = min(reserved, self.layout.max_time_ms)
 
     # -- issuing ---------------------------------------------------------------------------------
-    def _next_slot(self, now: int) -> int:
-        """Slow path: the clock is at or behind the last millisecond and its sequence is used up,
-        or it is behind. Wait for a fresh millisecond (bounded) and return it."""
+    def _refill(self) -> None:
+        """With the lock held: make the bucket hold unused IDs of the current millisecond, waiting
+        (bounded) when the last one is used up or the clock is behind. Reads the clock once unless
+        it has to wait."""
         if self._closed:
             raise GeneratorClosedError("generator is closed")
+        now = self._now()
         last = self._last
+        if now == last and length_hint(self._bucket) > 0:
+            return  # another thread refilled it, or this millisecond still has IDs
         if now < last:
             self.clock_backwards_events += 1
             gap = last - now
@@ -203,57 +219,47 @@ class Generator:
                 raise ClockMovedBackwardsError(
                     f"clock moved backwards by {gap} ms (more than the {self._max_backwards_ms} ms we may wait)"
                 )
-        else:
+            now = self._wait_until(last + 1)
+        elif now == last:
             self.sequence_overflow_waits += 1
-        now = self._wait_until(last + 1)
+            now = self._wait_until(last + 1)
         if now > self._limit:
             self._cross_limit(now)
-        return now
+        base = (now << self._time_shift) | self._worker_part
+        self._last = now
+        self._bucket = iter(range(base, base + self._bucket_size))
+        self._bucket_end_ns = self._anchor_mono + (now + 1 - self._anchor_off) * 1_000_000
 
     def next_id(self) -> int:
         """One ID, greater than every ID this generator issued before."""
+        if self._mono() < self._bucket_end_ns:
+            try:
+                return next(self._bucket)
+            except StopIteration:
+                pass
         with self._lock:
-            now = self._anchor_off + (self._mono() - self._anchor_mono) // 1_000_000
-            if now > self._last and not self._closed:
-                if now > self._limit:
-                    self._cross_limit(now)
-                self._last = now
-                self._seq = 0
-                return (now << self._time_shift) | self._worker_part
-            seq = self._seq + 1
-            if now == self._last and seq <= self._max_seq and not self._closed:
-                self._seq = seq
-                return (now << self._time_shift) | self._worker_part | seq
-            now = self._next_slot(now)
-            self._last = now
-            self._seq = 0
-            return (now << self._time_shift) | self._worker_part
+            while True:
+                self._refill()
+                try:
+                    return next(self._bucket)
+                except StopIteration:  # drained by other threads between refill and here
+                    continue
 
     def next_ids(self, n: int) -> list[int]:
         """``n`` increasing IDs: one clock reading per millisecond, consecutive sequence numbers."""
         if n <= 0:
             return []
-        out: list[int] = []
         with self._lock:
-            max_seq = self._max_seq
-            while n > 0:
-                now = self._now()
-                if now > self._last and not self._closed:
-                    if now > self._limit:
-                        self._cross_limit(now)
-                    first = 0
-                elif now == self._last and self._seq < max_seq and not self._closed:
-                    first = self._seq + 1
-                else:
-                    now = self._next_slot(now)
-                    first = 0
-                take = min(n, max_seq + 1 - first)
-                base = (now << self._time_shift) | self._worker_part
-                out.extend(range(base + first, base + first + take))
-                self._last = now
-                self._seq = first + take - 1
-                n -= take
-        return out
+            if self._mono() < self._bucket_end_ns:
+                out = list(islice(self._bucket, n))
+                if len(out) == n:
+                    return out
+            else:
+                out = []
+            while len(out) < n:
+                self._refill()
+                out.extend(islice(self._bucket, n - len(out)))
+            return out
 
     # -- lifecycle -------------------------------------------------------------------------------
     @property
@@ -268,6 +274,8 @@ class Generator:
             if self._closed:
                 return
             self._closed = True
+            self._bucket_end_ns = -1
+            self._bucket = iter(())
             if self._state is not None and self._last >= 0:
                 self._state.store(self._last + self._epoch_ms, self.worker_id)
                 self.high_water_ms = self._last + self._epoch_ms

@@ -130,6 +130,11 @@ def test_layout_exhaustion_is_an_error_not_a_wrap() -> None:
 
 
 def test_threads_never_share_an_id() -> None:
+    import sys
+
+    # Switch threads as often as CPython allows, so that the lock-free path is interleaved for real.
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
     gen = Generator(3)
     results: list[list[int]] = [[] for _ in range(4)]
 
@@ -139,10 +144,13 @@ def test_threads_never_share_an_id() -> None:
         out.extend(gen.next_ids(5000))
 
     threads = [threading.Thread(target=work, args=(r,)) for r in results]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        sys.setswitchinterval(old)
     every = [i for r in results for i in r]
     assert len(every) == len(set(every)) == 100_000
     for r in results:
