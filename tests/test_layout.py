@@ -2,7 +2,7 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 from conftest import FAKE_START_MS
-from hypothesis import given
+from hypothesis import example, given
 from hypothesis import strategies as st
 
 from katsubushi_py.layout import DEFAULT_LAYOUT, KATSUBUSHI_EPOCH_MS, Layout, LayoutError, format_time
@@ -37,12 +37,19 @@ ms_in_range = st.integers(min_value=KATSUBUSHI_EPOCH_MS, max_value=KATSUBUSHI_EP
 
 
 @given(ms_in_range, st.integers(0, 1023), st.integers(0, 4095))
+@example(KATSUBUSHI_EPOCH_MS, 0, 0)
+@example(KATSUBUSHI_EPOCH_MS + (1 << 41) - 1, 1023, 4095)
 def test_compose_decompose_round_trip(unix_ms: int, worker: int, seq: int) -> None:
     id_ = DEFAULT_LAYOUT.compose(unix_ms, worker, seq)
     assert 0 <= id_ < 1 << 63
     parts = DEFAULT_LAYOUT.decompose(id_)
     assert (parts.unix_ms, parts.worker_id, parts.sequence) == (unix_ms, worker, seq)
-    assert DEFAULT_LAYOUT.id_at(parts.time) <= id_ < DEFAULT_LAYOUT.id_at(parts.time + timedelta(milliseconds=1))
+    assert DEFAULT_LAYOUT.id_at(parts.time) <= id_
+    if unix_ms < DEFAULT_LAYOUT.lifetime_end_ms - 1:
+        assert id_ < DEFAULT_LAYOUT.id_at(parts.time + timedelta(milliseconds=1))
+    else:
+        with pytest.raises(LayoutError, match="past the layout's lifetime"):
+            DEFAULT_LAYOUT.id_at(parts.time + timedelta(milliseconds=1))
 
 
 @given(st.integers(0, (1 << 63) - 1))
