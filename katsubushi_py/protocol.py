@@ -29,6 +29,30 @@ END = b"END\r\n"
 LINE_TOO_LONG = b"CLIENT_ERROR line too long\r\n"
 
 
+# Today's IDs (and every ID of the default layout from 2015-01-25 to beyond its end) have 19 digits, so
+# their VALUE lines can come from one format template instead of being assembled piece by piece.
+_MIN_19_DIGITS = 10**18
+_MAX_19_DIGITS = 10**19
+_ONE_VALUE_19 = b"VALUE %b 0 19\r\n%d\r\nEND\r\n"
+_VALUE_19 = b"VALUE %b 0 19\r\n%d\r\n"
+
+
+def format_values(tokens: list[bytes], ids: list[int]) -> bytes:
+    """The reply to ``GET`` with keys ``tokens[1:]`` and increasing ``ids``."""
+    count = len(ids)
+    if ids[0] >= _MIN_19_DIGITS and ids[-1] < _MAX_19_DIGITS:
+        args: list[bytes | int] = [b""] * (2 * count)
+        args[0::2] = tokens[1:]
+        args[1::2] = ids
+        return _VALUE_19 * count % tuple(args) + END
+    parts = []
+    for key, id_ in zip(tokens[1:], ids, strict=True):
+        value = b"%d" % id_
+        parts.append(b"VALUE %b 0 %d\r\n%b\r\n" % (key, len(value), value))
+    parts.append(END)
+    return b"".join(parts)
+
+
 def _server_error(exc: BaseException) -> bytes:
     text = " ".join(str(exc).split()) or type(exc).__name__
     return b"SERVER_ERROR " + text.encode("ascii", "replace") + b"\r\n"
@@ -41,7 +65,18 @@ class TextConnection:
     or an overlong line), and ``commands`` counts complete lines seen so far (the idle timer uses it).
     """
 
-    __slots__ = ("_buffer", "_commands", "_generator", "_max_line", "_stats", "_version", "closing", "commands")
+    __slots__ = (
+        "_buffer",
+        "_commands",
+        "_fast_get",
+        "_generator",
+        "_max_line",
+        "_next_id",
+        "_stats",
+        "_version",
+        "closing",
+        "commands",
+    )
 
     def __init__(self, generator: Generator, stats: Stats, *, max_line: int = MAX_LINE, gets_cas: bool = False) -> None:
         self._generator = generator
@@ -60,33 +95,43 @@ class TextConnection:
         }
         # The two usual spellings are looked up directly; anything else is lower-cased first.
         self._commands = {**handlers, **{name.upper(): h for name, h in handlers.items()}}
+        self._fast_get = frozenset((b"get", b"GET") if gets_cas else (b"get", b"GET", b"gets", b"GETS"))
+        self._next_id = generator.next_id
 
     def receive(self, data: bytes) -> bytes:
         """Take newly arrived bytes; return the reply to everything complete in them."""
-        if self.closing:
-            return b""
         if self._buffer:
             data = self._buffer + data
             self._buffer = b""
+        elif self.closing:
+            return b""
         newline = data.find(b"\n")
         if newline < 0:
             return self._hold(data)
         if newline == len(data) - 1 and newline < self._max_line:
-            # The usual case: exactly one complete command.
+            # The usual case: exactly one complete command, and most often a one-key GET.
             self.commands += 1
-            return self._line(data[:-1]) or b""
+            tokens = data.split()
+            if len(tokens) == 2 and tokens[0] in self._fast_get:
+                return self._get_one(tokens[1])
+            return self._tokens(tokens) or b""
         out: list[bytes] = []
         start = 0
+        fast_get = self._fast_get
         while newline >= 0:
             if newline - start >= self._max_line:
                 out.append(LINE_TOO_LONG)
                 self.closing = True
                 return b"".join(out)
             self.commands += 1
-            reply = self._line(data[start:newline])
-            if reply is None:  # QUIT: what came after it is not answered
-                return b"".join(out)
-            out.append(reply)
+            tokens = data[start:newline].split()
+            if len(tokens) == 2 and tokens[0] in fast_get:
+                out.append(self._get_one(tokens[1]))
+            else:
+                reply = self._tokens(tokens)
+                if reply is None:  # QUIT: what came after it is not answered
+                    return b"".join(out)
+                out.append(reply)
             start = newline + 1
             newline = data.find(b"\n", start)
         out.append(self._hold(data[start:]))
@@ -101,8 +146,7 @@ class TextConnection:
         self._buffer = rest
         return b""
 
-    def _line(self, line: bytes) -> bytes | None:
-        tokens = line.split()
+    def _tokens(self, tokens: list[bytes]) -> bytes | None:
         if not tokens:
             return ERROR
         handler = self._commands.get(tokens[0]) or self._commands.get(tokens[0].lower())
@@ -111,18 +155,26 @@ class TextConnection:
         return handler(tokens)
 
     # -- commands --------------------------------------------------------------------------------
-    def _get(self, tokens: list[bytes]) -> bytes:
+    def _get_one(self, key: bytes) -> bytes:
         stats = self._stats
-        stats.cmd_get += 1  # katsubushi counts the command even when it then fails for lack of a key
+        stats.cmd_get += 1
+        try:
+            id_ = self._next_id()
+        except GenerationError as exc:
+            stats.get_misses += 1
+            return _server_error(exc)
+        stats.get_hits += 1
+        if _MIN_19_DIGITS <= id_ < _MAX_19_DIGITS:
+            return _ONE_VALUE_19 % (key, id_)
+        value = b"%d" % id_
+        return b"VALUE %b 0 %d\r\n%b\r\nEND\r\n" % (key, len(value), value)
+
+    def _get(self, tokens: list[bytes]) -> bytes:
         count = len(tokens) - 1
         if count == 1:
-            try:
-                value = b"%d" % self._generator.next_id()
-            except GenerationError as exc:
-                stats.get_misses += 1
-                return _server_error(exc)
-            stats.get_hits += 1
-            return b"VALUE %b 0 %d\r\n%b\r\nEND\r\n" % (tokens[1], len(value), value)
+            return self._get_one(tokens[1])
+        stats = self._stats
+        stats.cmd_get += 1  # katsubushi counts the command even when it then fails for lack of a key
         if count == 0:
             return ERROR
         try:
@@ -131,12 +183,7 @@ class TextConnection:
             stats.get_misses += 1
             return _server_error(exc)
         stats.get_hits += count
-        parts = []
-        for key, id_ in zip(tokens[1:], ids, strict=True):
-            value = b"%d" % id_
-            parts.append(b"VALUE %b 0 %d\r\n%b\r\n" % (key, len(value), value))
-        parts.append(END)
-        return b"".join(parts)
+        return format_values(tokens, ids)
 
     def _gets_with_cas(self, tokens: list[bytes]) -> bytes:
         """GETS as memcached answers it, with a CAS field (the ID itself), for clients such as

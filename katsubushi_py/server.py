@@ -17,7 +17,7 @@ import resource
 import signal
 import socket
 import stat
-from typing import Any, cast
+from typing import Any
 
 from . import __version__
 from .config import ServerConfig
@@ -40,7 +40,7 @@ class StartupError(RuntimeError):
 class ConnectionHandler(asyncio.Protocol):
     """One client connection: thin glue between the transport and the sans-IO protocol."""
 
-    __slots__ = ("_conn", "_daemon", "_idle_handle", "_last_commands", "_transport")
+    __slots__ = ("_conn", "_daemon", "_idle_handle", "_last_commands", "_receive", "_transport", "_write")
 
     def __init__(self, daemon: Daemon) -> None:
         self._daemon = daemon
@@ -50,16 +50,20 @@ class ConnectionHandler(asyncio.Protocol):
         self._last_commands = 0
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        transport = cast(asyncio.Transport, transport)  # uvloop's transports do not subclass asyncio's
+        # uvloop's transports do not subclass asyncio.Transport, so no isinstance check here.
+        tcp: asyncio.Transport = transport  # type: ignore[assignment]
         daemon = self._daemon
         stats = daemon.stats
         if len(daemon.connections) >= daemon.config.max_connections or daemon.stopping:
             stats.rejected_connections += 1
-            transport.write(TOO_MANY_CONNECTIONS)
-            transport.close()
+            tcp.write(TOO_MANY_CONNECTIONS)
+            tcp.close()
             return
-        self._transport = transport
-        self._conn = TextConnection(daemon.generator, stats, gets_cas=daemon.config.gets_cas)
+        self._transport = tcp
+        conn = self._conn = TextConnection(daemon.generator, stats, gets_cas=daemon.config.gets_cas)
+        # Bound once here rather than looked up on every request.
+        self._receive = conn.receive
+        self._write = tcp.write
         daemon.connections.add(self)
         stats.curr_connections += 1
         stats.total_connections += 1
@@ -68,14 +72,13 @@ class ConnectionHandler(asyncio.Protocol):
 
     def data_received(self, data: bytes) -> None:
         conn = self._conn
-        if conn is None:
+        if conn is None:  # a refused connection: nothing to answer
             return
-        reply = conn.receive(data)
-        transport = cast(asyncio.Transport, self._transport)
+        reply = self._receive(data)
         if reply:
-            transport.write(reply)
+            self._write(reply)
         if conn.closing:
-            transport.close()
+            self._transport.close()  # type: ignore[union-attr]
 
     def _check_idle(self) -> None:
         """Runs once per idle-timeout period, not per request: close only if no command completed
