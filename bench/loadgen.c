@@ -3,9 +3,10 @@
  *
  * Why C: a Python client would limit the figures long before memcached does. One thread drives every
  * connection with epoll; each connection keeps --depth GET requests of --keys keys in flight, and
- * every response is checked byte by byte (VALUE <key> 0 <len>, digits, END). With --unique the
- * values are collected and checked for duplicates at the end (for ID servers; memcached returns the
- * same stored value every time).
+ * every response is checked byte by byte (VALUE <key> 0 <len>, digits, END). For ID servers,
+ * --increasing checks that every connection sees strictly increasing values (O(1) per value, so it
+ * costs the timed run nothing), and --unique collects every value and checks for duplicates at the
+ * end (that costs memory traffic on the client, so use it in a verification run, not a timed one).
  *
  * Output: one JSON object on stdout.
  */
@@ -36,10 +37,11 @@ typedef struct {
     int inflight;
     double *sent_at; /* ring of send times, one per in-flight request */
     int head, tail;
+    uint64_t last_value;
 } conn_t;
 
 static char *host = "127.0.0.1", *unix_path = NULL;
-static int port = 11212, nconns = 1, depth = 1, nkeys = 1, unique = 0;
+static int port = 11212, nconns = 1, depth = 1, nkeys = 1, unique = 0, increasing = 0;
 static double seconds = 2.0;
 static char request[1 << 16];
 static size_t request_len;
@@ -48,7 +50,7 @@ static size_t keylens[1024];
 static uint64_t *values;
 static size_t nvalues, capvalues;
 static uint64_t *hist;
-static uint64_t responses, errors_seen;
+static uint64_t responses, errors_seen, not_increasing;
 
 static double now(void) {
     struct timespec ts;
@@ -102,11 +104,15 @@ static void send_requests(conn_t *c, int n) {
     }
 }
 
-static void keep_value(const char *p, size_t n) {
+static void keep_value(conn_t *c, const char *p, size_t n) {
     uint64_t v = 0;
     for (size_t i = 0; i < n; i++) {
         if (p[i] < '0' || p[i] > '9') { errors_seen++; return; }
         v = v * 10 + (uint64_t)(p[i] - '0');
+    }
+    if (increasing) {
+        if (v <= c->last_value) not_increasing++;
+        c->last_value = v;
     }
     if (!unique) return;
     if (nvalues == capvalues) {
@@ -118,7 +124,7 @@ static void keep_value(const char *p, size_t n) {
 }
 
 /* Parse one complete response at buf; return bytes used, 0 if incomplete, -1 if malformed. */
-static long parse_response(const char *buf, size_t len) {
+static long parse_response(conn_t *c, const char *buf, size_t len) {
     size_t pos = 0;
     for (int k = 0; k < nkeys; k++) {
         const char *eol = memmem(buf + pos, len - pos, "\r\n", 2);
@@ -140,7 +146,7 @@ static long parse_response(const char *buf, size_t len) {
         pos += line_len + 2;
         if (len - pos < dlen + 2) return 0;
         if (buf[pos + dlen] != '\r' || buf[pos + dlen + 1] != '\n') return -1;
-        keep_value(buf + pos, dlen);
+        keep_value(c, buf + pos, dlen);
         pos += dlen + 2;
     }
     if (len - pos < 5) return 0;
@@ -172,6 +178,7 @@ int main(int argc, char **argv) {
         else if (!strcmp(argv[i], "--keys")) nkeys = atoi(argv[++i]);
         else if (!strcmp(argv[i], "--seconds")) seconds = atof(argv[++i]);
         else if (!strcmp(argv[i], "--unique")) unique = 1;
+        else if (!strcmp(argv[i], "--increasing")) increasing = 1;
         else { fprintf(stderr, "unknown option %s\n", argv[i]); return 2; }
     }
     if (nkeys < 1 || nkeys > 1024 || depth < 1 || nconns < 1) { fprintf(stderr, "bad sizes\n"); return 2; }
@@ -211,7 +218,7 @@ int main(int argc, char **argv) {
             size_t pos = 0;
             int done = 0;
             for (;;) {
-                long used = parse_response(c->rbuf + pos, c->rlen - pos);
+                long used = parse_response(c, c->rbuf + pos, c->rlen - pos);
                 if (used < 0) {
                     printf("{\"error\": \"malformed response: %.60s\"}\n", c->rbuf + pos);
                     return 1;
@@ -242,9 +249,10 @@ int main(int argc, char **argv) {
     }
     printf("{\"requests\": %llu, \"elapsed\": %.6f, \"rps\": %.1f, \"values_per_s\": %.1f, "
            "\"p50_us\": %.0f, \"p99_us\": %.0f, \"bad_values\": %llu, \"checked_unique\": %llu, "
-           "\"duplicates\": %llu}\n",
+           "\"duplicates\": %llu, \"not_increasing\": %llu}\n",
            (unsigned long long)responses, elapsed, responses / elapsed, responses * (double)nkeys / elapsed,
            percentile(0.50), percentile(0.99), (unsigned long long)errors_seen,
-           (unsigned long long)(unique ? nvalues : 0), (unsigned long long)duplicates);
-    return errors_seen || duplicates ? 1 : 0;
+           (unsigned long long)(unique ? nvalues : 0), (unsigned long long)duplicates,
+           (unsigned long long)not_increasing);
+    return errors_seen || duplicates || not_increasing ? 1 : 0;
 }

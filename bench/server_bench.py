@@ -57,8 +57,11 @@ def ensure_memcached() -> str:
         sys.exit("memcached is not installed: apt-get install memcached (needs root)")
     log("memcached is missing: installing it from Debian's packages (apt-get install memcached)")
     subprocess.run(["apt-get", "update", "-qq"], check=True)
-    subprocess.run(["apt-get", "install", "-y", "-qq", "memcached"], check=True, env={**os.environ,
-                   "DEBIAN_FRONTEND": "noninteractive"})
+    subprocess.run(
+        ["apt-get", "install", "-y", "-qq", "memcached"],
+        check=True,
+        env={**os.environ, "DEBIAN_FRONTEND": "noninteractive"},
+    )
     path = shutil.which("memcached")
     if not path:
         sys.exit("memcached could not be installed")
@@ -123,8 +126,22 @@ class Server:
 
 
 def katsubushi_cmd(port: int | None, sock: str | None) -> list[str]:
-    cmd = ["taskset", "-c", "0", sys.executable, "-m", "katsubushi_py", "--worker-id", "1", "--log-level", "warn",
-           "--idle-timeout", "0", "--max-connections", "4096"]
+    cmd = [
+        "taskset",
+        "-c",
+        "0",
+        sys.executable,
+        "-m",
+        "katsubushi_py",
+        "--worker-id",
+        "1",
+        "--log-level",
+        "warn",
+        "--idle-timeout",
+        "0",
+        "--max-connections",
+        "4096",
+    ]
     if port is not None:
         cmd += ["--port", str(port)]
     if sock is not None:
@@ -168,14 +185,19 @@ class Scenario:
     client_cpu: int
     transport: str  # "tcp" or "unix"
     metric: str  # "rps" or "values_per_s"
+    floor: bool = False  # also run the trivial uvloop server (valid for one-key sequential GETs only)
     samples: dict[str, list[dict[str, float]]] = field(default_factory=dict)
 
 
-def run_loadgen(loadgen: str, server: Server, sc: Scenario, seconds: float) -> dict[str, float]:
+def run_loadgen(loadgen: str, server: Server, sc: Scenario, seconds: float, verify: bool = False) -> dict[str, float]:
+    """One timed run. Against the ID server every connection must see strictly increasing IDs; with
+    ``verify`` every ID is also kept and checked for duplicates (not timed: that costs the client)."""
     target = ["--port", str(server.port)] if sc.transport == "tcp" else ["--unix", str(server.sock)]
     cmd = ["taskset", "-c", str(sc.client_cpu), loadgen, *target, *sc.args, "--seconds", str(seconds)]
     if server.is_ids:
-        cmd.append("--unique")
+        cmd.append("--increasing")
+        if verify:
+            cmd.append("--unique")
     cpu_before = cpu_seconds(server.proc.pid)
     usage_before = resource.getrusage(resource.RUSAGE_CHILDREN)
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=seconds + 60)
@@ -184,8 +206,11 @@ def run_loadgen(loadgen: str, server: Server, sc: Scenario, seconds: float) -> d
     result = json.loads(out.stdout.strip().splitlines()[-1])
     if "error" in result or out.returncode != 0:
         sys.exit(f"{server.name} {sc.name}: load generator failed: {out.stdout} {out.stderr}")
-    if server.is_ids and result["duplicates"]:
-        sys.exit(f"{server.name} {sc.name}: {result['duplicates']} duplicate IDs")
+    if server.is_ids and (result["duplicates"] or result["not_increasing"]):
+        sys.exit(
+            f"{server.name} {sc.name}: {result['duplicates']} duplicate IDs,"
+            f" {result['not_increasing']} not increasing on their connection"
+        )
     client_cpu = (usage_after.ru_utime + usage_after.ru_stime) - (usage_before.ru_utime + usage_before.ru_stime)
     result["server_cpu"] = server_cpu / result["elapsed"]
     result["client_cpu"] = client_cpu / result["elapsed"]
@@ -265,8 +290,10 @@ def machine() -> str:
     mc = subprocess.run([shutil.which("memcached") or "memcached", "-V"], capture_output=True, text=True).stdout.strip()
     from katsubushi_py import __version__
 
-    return (f"{os.cpu_count()} CPUs ({model}), {platform.system()} {platform.release()}, Python"
-            f" {platform.python_version()}, {uv}, katsubushi-py {__version__}, {mc}")
+    return (
+        f"{os.cpu_count()} CPUs ({model}), {platform.system()} {platform.release()}, Python"
+        f" {platform.python_version()}, {uv}, katsubushi-py {__version__}, {mc}"
+    )
 
 
 def main() -> None:
@@ -291,31 +318,43 @@ def main() -> None:
         ("memcached", "tcp"): start("memcached", memcached_cmd(memcached, mport, None), mport, None, False),
         ("memcached", "unix"): start("memcached", memcached_cmd(memcached, None, msock), None, msock, False),
     }
-    servers[("katsubushi-py", "unix")] = Server("katsubushi-py", servers[("katsubushi-py", "tcp")].proc, None,
-                                                ksock, True)
+    servers[("katsubushi-py", "unix")] = Server(
+        "katsubushi-py", servers[("katsubushi-py", "tcp")].proc, None, ksock, True
+    )
+    fport = free_port()
+    floor_cmd = ["taskset", "-c", "0", sys.executable, str(HERE / "uvloop_floor.py"), str(fport)]
+    servers[("uvloop floor", "tcp")] = start("uvloop floor", floor_cmd, fport, None, False)
     try:
         preload(servers[("memcached", "tcp")])
         preload(servers[("memcached", "unix")])
         scenarios = [
-            Scenario("1 connection, sequential GET", ["--conns", "1", "--depth", "1"], 0, "tcp", "rps"),
-            Scenario("16 connections, sequential each", ["--conns", "16", "--depth", "1"], 1, "tcp", "rps"),
+            Scenario("1 connection, sequential GET", ["--conns", "1", "--depth", "1"], 0, "tcp", "rps", True),
+            Scenario("16 connections, sequential each", ["--conns", "16", "--depth", "1"], 1, "tcp", "rps", True),
             Scenario("4 connections, 16 pipelined each", ["--conns", "4", "--depth", "16"], 1, "tcp", "rps"),
             Scenario("1 connection, GET of 100 keys", ["--conns", "1", "--keys", "100"], 0, "tcp", "values_per_s"),
             Scenario("unix: 1 connection, sequential GET", ["--conns", "1", "--depth", "1"], 0, "unix", "rps"),
             Scenario("unix: 16 connections, sequential each", ["--conns", "16", "--depth", "1"], 1, "unix", "rps"),
             Scenario("unix: 4 connections, 16 pipelined each", ["--conns", "4", "--depth", "16"], 1, "unix", "rps"),
-            Scenario("unix: 1 connection, GET of 100 keys", ["--conns", "1", "--keys", "100"], 0, "unix",
-                     "values_per_s"),
+            Scenario(
+                "unix: 1 connection, GET of 100 keys", ["--conns", "1", "--keys", "100"], 0, "unix", "values_per_s"
+            ),
         ]
+        verified = 0
         for sc in scenarios:
+            check = run_loadgen(loadgen, servers[("katsubushi-py", sc.transport)], sc, min(args.seconds, 1.0), True)
+            verified += int(check["checked_unique"])
             for run in range(args.runs):
                 order = ["katsubushi-py", "memcached"] if run % 2 == 0 else ["memcached", "katsubushi-py"]
+                if sc.floor:
+                    order.append("uvloop floor")
                 for name in order:
                     result = run_loadgen(loadgen, servers[(name, sc.transport)], sc, args.seconds)
                     sc.samples.setdefault(name, []).append(result)
-                    log(f"{sc.name:42s} {name:14s} {result[sc.metric]:>12,.0f}  p50 {result['p50_us']:.0f} us"
+                    log(
+                        f"{sc.name:42s} {name:14s} {result[sc.metric]:>12,.0f}  p50 {result['p50_us']:.0f} us"
                         f"  p99 {result['p99_us']:.0f} us  server CPU {result['server_cpu']:.0%}"
-                        f"  client CPU {result['client_cpu']:.0%}")
+                        f"  client CPU {result['client_cpu']:.0%}"
+                    )
         idle: dict[str, list[int]] = {"katsubushi-py": [], "memcached": []}
         idle_base: dict[str, list[int]] = {"katsubushi-py": [], "memcached": []}
         for _ in range(max(1, min(args.runs, 3))):
@@ -328,18 +367,26 @@ def main() -> None:
         for _ in range(args.runs):
             startups["katsubushi-py"].append(startup_seconds(lambda p: katsubushi_cmd(p, None)))
             startups["memcached"].append(startup_seconds(lambda p: memcached_cmd(memcached, p, None)))
-            log(f"start-up katsubushi-py {startups['katsubushi-py'][-1]:.3f} s, memcached"
-                f" {startups['memcached'][-1]:.3f} s")
+            log(
+                f"start-up katsubushi-py {startups['katsubushi-py'][-1]:.3f} s, memcached"
+                f" {startups['memcached'][-1]:.3f} s"
+            )
     finally:
         for server in servers.values():
             server.stop()
         shutil.rmtree(workdir, ignore_errors=True)
 
     print(f"Machine: {machine()}.")
-    print(f"{args.runs} alternating runs of {args.seconds:g} s per scenario; medians. Server pinned to CPU 0"
-          " (memcached with -t 1); client on CPU 0 for one-connection scenarios, CPU 1 otherwise.\n")
-    print("| scenario | katsubushi-py | memcached | ratio | katsubushi-py p50 / p99 | memcached p50 / p99 |"
-          " server CPU (k / m) | client CPU (k / m) |")
+    print(
+        f"{args.runs} alternating runs of {args.seconds:g} s per scenario; medians. Server pinned to CPU 0"
+        " (memcached with -t 1); client on CPU 0 for one-connection scenarios, CPU 1 otherwise. Every"
+        " reply checked; every connection saw strictly increasing IDs; an untimed verification run per"
+        f" scenario kept all {verified:,} IDs it received and found no duplicate.\n"
+    )
+    print(
+        "| scenario | katsubushi-py | memcached | ratio | katsubushi-py p50 / p99 | memcached p50 / p99 |"
+        " server CPU (k / m) | client CPU (k / m) |"
+    )
     print("|---|---:|---:|---:|---:|---:|---:|---:|")
     for sc in scenarios:
         k, m = sc.samples["katsubushi-py"], sc.samples["memcached"]
@@ -348,17 +395,38 @@ def main() -> None:
             return statistics.median(r[key] for r in rows)
 
         unit = "req/s" if sc.metric == "rps" else "IDs/s"
-        print(f"| {sc.name} | {med(k, sc.metric):,.0f} {unit} | {med(m, sc.metric):,.0f} {unit} |"
-              f" {med(k, sc.metric) / med(m, sc.metric):.2f} |"
-              f" {med(k, 'p50_us'):.0f} / {med(k, 'p99_us'):.0f} us | {med(m, 'p50_us'):.0f} / {med(m, 'p99_us'):.0f} us |"
-              f" {med(k, 'server_cpu'):.0%} / {med(m, 'server_cpu'):.0%} |"
-              f" {med(k, 'client_cpu'):.0%} / {med(m, 'client_cpu'):.0%} |")
+        print(
+            f"| {sc.name} | {med(k, sc.metric):,.0f} {unit} | {med(m, sc.metric):,.0f} {unit} |"
+            f" {med(k, sc.metric) / med(m, sc.metric):.2f} |"
+            f" {med(k, 'p50_us'):.0f} / {med(k, 'p99_us'):.0f} us |"
+            f" {med(m, 'p50_us'):.0f} / {med(m, 'p99_us'):.0f} us |"
+            f" {med(k, 'server_cpu'):.0%} / {med(m, 'server_cpu'):.0%} |"
+            f" {med(k, 'client_cpu'):.0%} / {med(m, 'client_cpu'):.0%} |"
+        )
     kr, mr = statistics.median(idle["katsubushi-py"]), statistics.median(idle["memcached"])
-    print(f"| {args.idle} idle connections: server RSS | {kr / 1024:.1f} MB | {mr / 1024:.1f} MB | {kr / mr:.2f} |"
-          f" (before: {statistics.median(idle_base['katsubushi-py']) / 1024:.1f} MB) |"
-          f" (before: {statistics.median(idle_base['memcached']) / 1024:.1f} MB) | | |")
+    floor_rows = []
+    for sc in scenarios:
+        if sc.floor:
+            f = statistics.median(r[sc.metric] for r in sc.samples["uvloop floor"])
+            k = statistics.median(r[sc.metric] for r in sc.samples["katsubushi-py"])
+            m = statistics.median(r[sc.metric] for r in sc.samples["memcached"])
+            floor_rows.append(f"| {sc.name} | {f:,.0f} req/s | {f / m:.2f} | {k / f:.2f} |")
+    print(
+        f"| {args.idle} idle connections: server RSS | {kr / 1024:.1f} MB | {mr / 1024:.1f} MB | {kr / mr:.2f} |"
+        f" (before: {statistics.median(idle_base['katsubushi-py']) / 1024:.1f} MB) |"
+        f" (before: {statistics.median(idle_base['memcached']) / 1024:.1f} MB) | | |"
+    )
     ks, ms = statistics.median(startups["katsubushi-py"]), statistics.median(startups["memcached"])
     print(f"| start-up, exec to first ID served | {ks * 1000:.0f} ms | {ms * 1000:.0f} ms | {ks / ms:.1f} | | | | |")
+
+    if floor_rows:
+        print(
+            "\nThe one-key scenarios against bench/uvloop_floor.py, a uvloop server that answers every read with a"
+            " constant reply and does nothing else (the most Python and uvloop allow here), in the same runs:\n"
+        )
+        print("| scenario | uvloop floor | floor / memcached | katsubushi-py / floor |")
+        print("|---|---:|---:|---:|")
+        print("\n".join(floor_rows))
 
 
 if __name__ == "__main__":
