@@ -133,27 +133,31 @@ def run_server(config: ServerConfig) -> int:
     setup_logging(config.log_level, config.log_format)
     log = logging.getLogger("katsubushi_py")
     factory = loop_factory(config.loop)
-    try:
-        generator = Generator(
-            config.worker_id,
-            config.layout,
-            max_backwards_wait=config.max_clock_wait,
-            state_file=config.state_file,
+
+    def make_generator(worker_id: int) -> Generator:
+        return Generator(
+            worker_id, config.layout, max_backwards_wait=config.max_clock_wait, state_file=config.state_file
         )
-    except GenerationError as exc:
-        return _fail(str(exc), 1)
+
+    generator = None
+    if config.worker_id is not None:
+        try:
+            generator = make_generator(config.worker_id)
+        except GenerationError as exc:
+            return _fail(str(exc), 1)
     try:
         with asyncio.Runner(loop_factory=factory) as runner:
-            runner.run(serve(config, generator))
+            runner.run(serve(config, generator, make_generator))
     except StartupError as exc:
         return _fail(str(exc), 1)
     except KeyboardInterrupt:  # a second Ctrl-C during the graceful stop
         pass
     finally:
-        try:
-            generator.close()
-        except GenerationError as exc:
-            log.error("could not store the final high-water mark: %s", exc)
+        if generator is not None:
+            try:
+                generator.close()
+            except GenerationError as exc:
+                log.error("could not store the final high-water mark: %s", exc)
     log.info("stopped")
     return 0
 

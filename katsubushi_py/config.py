@@ -10,9 +10,10 @@ from __future__ import annotations
 import argparse
 import re
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from .layout import DEFAULT_LAYOUT, KATSUBUSHI_EPOCH_MS, Layout, LayoutError
+from .leasing import LeaseError, LeaseTimings, RedisTarget, parse_redis_url
 from .tools import ToolError, parse_epoch
 
 DEFAULT_PORT = 11212
@@ -31,7 +32,7 @@ LOG_LEVELS = {
 }
 
 # Flags whose value go-katsubushi also reads from the environment (name upper or lower case).
-ENV_FLAGS = ("worker_id", "port", "sock", "idle_timeout", "log_level")
+ENV_FLAGS = ("worker_id", "port", "sock", "idle_timeout", "log_level", "redis", "min_worker_id", "max_worker_id")
 
 
 class ConfigError(ValueError):
@@ -60,8 +61,21 @@ def parse_duration(text: str, name: str = "duration") -> float:
 
 
 @dataclass(frozen=True)
+class LeaseConfig:
+    """Worker ids leased from Redis instead of ``--worker-id``."""
+
+    target: RedisTarget
+    min_worker_id: int = 1
+    max_worker_id: int = 1023
+    timings: LeaseTimings = field(default_factory=LeaseTimings)
+    wait_for_free_id: bool = True
+    clock_skew_warn: float = 0.5
+    clock_skew_max: float = 5.0
+
+
+@dataclass(frozen=True)
 class ServerConfig:
-    worker_id: int
+    worker_id: int | None  # None: leased from Redis (see ``lease``)
     host: str = "127.0.0.1"
     port: int | None = DEFAULT_PORT  # None: no TCP listener (unix socket only)
     sock: str | None = None
@@ -75,6 +89,7 @@ class ServerConfig:
     layout: Layout = DEFAULT_LAYOUT
     loop: str = "auto"
     gets_cas: bool = False
+    lease: LeaseConfig | None = None
 
 
 class _Parser(argparse.ArgumentParser):
@@ -84,7 +99,7 @@ class _Parser(argparse.ArgumentParser):
         raise ConfigError(message)
 
 
-def _flag(parser: argparse.ArgumentParser, name: str, **kwargs: object) -> None:
+def _flag(parser: argparse._ActionsContainer, name: str, **kwargs: object) -> None:
     """Register ``--name`` and katsubushi's single-dash ``-name``."""
     parser.add_argument(f"--{name}", f"-{name}", default=argparse.SUPPRESS, **kwargs)  # type: ignore[arg-type]
 
@@ -157,6 +172,26 @@ def build_parser() -> argparse.ArgumentParser:
         help="how far behind the clock may be for the generator to wait instead of failing (default 1s)",
     )
     _flag(parser, "loop", metavar="LOOP", choices=["auto", "uvloop", "asyncio"], help="event loop (default auto)")
+    lease = parser.add_argument_group("worker ids leased from Redis (instead of --worker-id)")
+    _flag(
+        lease,
+        "redis",
+        metavar="URL",
+        help="redis://HOST:PORT/DB?ns=NAME; also rediss://, unix://, rediscluster:// (env REDIS)",
+    )
+    _flag(lease, "min-worker-id", metavar="N", help="lowest worker id to lease (default 1; env MIN_WORKER_ID)")
+    _flag(lease, "max-worker-id", metavar="N", help="highest worker id to lease (default 1023; env MAX_WORKER_ID)")
+    _flag(lease, "lease-ttl", metavar="DURATION", help="lease expiry (default 30s)")
+    _flag(lease, "lease-renew", metavar="DURATION", help="renew interval (default a third of the ttl)")
+    _flag(lease, "lease-delay", metavar="DURATION", help="wait after taking a recently used id (default 2x renew)")
+    _flag(lease, "clock-skew-warn", metavar="DURATION", help="warn above this clock difference to Redis TIME (0.5s)")
+    _flag(lease, "clock-skew-max", metavar="DURATION", help="refuse to start when it differs by more (5s)")
+    lease.add_argument(
+        "--no-wait-for-lease",
+        action="store_true",
+        default=False,
+        help="exit instead of waiting when every worker id of the range is leased",
+    )
     parser.add_argument(
         "--gets-cas",
         action="store_true",
@@ -202,13 +237,24 @@ def parse_server_config(
                 given[name] = value
 
     layout = layout_from_args(args)
-    if "worker_id" not in given:
-        raise ConfigError("set --worker-id N (or WORKER_ID); it must differ on every daemon that issues IDs")
-    worker_id = _int(given["worker_id"], "worker id", 0)
-    try:
-        layout.check_worker_id(worker_id)
-    except LayoutError as exc:
-        raise ConfigError(f"invalid worker id: {exc}") from None
+    lease = _lease_config(given, layout)
+    worker_id: int | None = None
+    if "worker_id" in given:
+        worker_id = _int(given["worker_id"], "worker id", 0)
+        if lease is not None:
+            if worker_id != 0:  # go-katsubushi reads 0 as "unset" and then uses -redis
+                raise ConfigError("use either --worker-id or --redis, not both")
+            worker_id = None
+        else:
+            try:
+                layout.check_worker_id(worker_id)
+            except LayoutError as exc:
+                raise ConfigError(f"invalid worker id: {exc}") from None
+    elif lease is None:
+        raise ConfigError(
+            "set --worker-id N (or WORKER_ID), or --redis URL to lease one;"
+            " it must differ on every daemon that issues IDs"
+        )
 
     sock = given.get("sock") or None
     port_given = "port" in given
@@ -249,5 +295,46 @@ def parse_server_config(
         layout=layout,
         loop=str(given.get("loop", "auto")),
         gets_cas=bool(args.gets_cas),
+        lease=lease,
     )
     return config, args
+
+
+def _lease_config(given: dict[str, object], layout: Layout) -> LeaseConfig | None:
+    url = given.get("redis")
+    lease_flags = ("min_worker_id", "max_worker_id", "lease_ttl", "lease_renew", "lease_delay")
+    if not url:
+        stray = [name for name in lease_flags if name in given and name not in ("min_worker_id", "max_worker_id")]
+        if stray:
+            raise ConfigError(f"--{stray[0].replace('_', '-')} needs --redis")
+        return None
+    try:
+        target = parse_redis_url(str(url))
+    except LeaseError as exc:
+        raise ConfigError(str(exc)) from None
+    top = layout.max_worker_id
+    low = _int(given.get("min_worker_id", 1), "min worker id", 0, top)
+    high = _int(given.get("max_worker_id", min(1023, top)), "max worker id", 0, top)
+    if low > high:
+        raise ConfigError(f"--min-worker-id {low} is greater than --max-worker-id {high}")
+    ttl = parse_duration(str(given.get("lease_ttl", "30s")), "lease ttl")
+    renew = parse_duration(str(given.get("lease_renew", ttl / 3)), "lease renew interval")
+    delay = parse_duration(str(given.get("lease_delay", 2 * renew)), "lease delay")
+    timings = LeaseTimings(ttl=ttl, renew=renew, delay=delay)
+    try:
+        timings.check()
+    except LeaseError as exc:
+        raise ConfigError(str(exc)) from None
+    warn = parse_duration(str(given.get("clock_skew_warn", "0.5s")), "clock skew warning")
+    most = parse_duration(str(given.get("clock_skew_max", "5s")), "clock skew maximum")
+    if warn > most:
+        raise ConfigError("--clock-skew-warn must not exceed --clock-skew-max")
+    return LeaseConfig(
+        target=target,
+        min_worker_id=low,
+        max_worker_id=high,
+        timings=timings,
+        wait_for_free_id=not given.get("no_wait_for_lease", False),
+        clock_skew_warn=warn,
+        clock_skew_max=most,
+    )

@@ -23,3 +23,11 @@ class GeneratorClosedError(GenerationError):
 
 class StateFileError(GenerationError):
     """The state file cannot be read, is damaged, or cannot be written."""
+
+
+class LeaseNotConfirmedError(GenerationError):
+    """The worker id's lease is not confirmed (Redis unreachable, renew failed, or just acquired and
+    still in its delay): issuing now could duplicate IDs of another holder of this worker id."""
+
+    def __init__(self) -> None:
+        super().__init__("worker id lease not confirmed")

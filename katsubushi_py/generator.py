@@ -25,6 +25,7 @@ from .errors import (
     GenerationError,
     GeneratorClosedError,
     LayoutExhaustedError,
+    LeaseNotConfirmedError,
     StateFileError,
 )
 from .layout import DEFAULT_LAYOUT, Layout, format_time, ms_to_datetime
@@ -37,6 +38,7 @@ __all__ = [
     "Generator",
     "GeneratorClosedError",
     "LayoutExhaustedError",
+    "LeaseNotConfirmedError",
     "StateFileError",
     "SystemClock",
 ]
@@ -117,6 +119,8 @@ class Generator:
         self._last = -1
         self._bucket: Iterator[int] = iter(())
         self._bucket_end_ns = -1
+        # With a leased worker id: IDs may be issued only while the monotonic clock is before this.
+        self._fence_ns: int | None = None
         self._state: StateFile | None = None
         self._reserved = layout.max_time_ms  # without a state file, only the layout limits us
         self.high_water_ms: int | None = None
@@ -208,6 +212,9 @@ class Generator:
         it has to wait."""
         if self._closed:
             raise GeneratorClosedError("generator is closed")
+        fence = self._fence_ns
+        if fence is not None and self._mono() >= fence:
+            raise LeaseNotConfirmedError()
         now = self._now()
         last = self._last
         if now == last and length_hint(self._bucket) > 0:
@@ -228,7 +235,8 @@ class Generator:
         base = (now << self._time_shift) | self._worker_part
         self._last = now
         self._bucket = iter(range(base, base + self._bucket_size))
-        self._bucket_end_ns = self._anchor_mono + (now + 1 - self._anchor_off) * 1_000_000
+        end = self._anchor_mono + (now + 1 - self._anchor_off) * 1_000_000
+        self._bucket_end_ns = end if fence is None else min(end, fence)
 
     def next_id(self) -> int:
         """One ID, greater than every ID this generator issued before."""
@@ -260,6 +268,26 @@ class Generator:
                 self._refill()
                 out.extend(islice(self._bucket, n - len(out)))
             return out
+
+    # -- leased worker ids -----------------------------------------------------------------------
+    def set_fence(self, deadline_ns: int | None) -> None:
+        """Allow IDs only while ``monotonic_ns() < deadline_ns`` (None: no limit). The current bucket is
+        cut at the deadline, so the check costs the fast path nothing."""
+        with self._lock:
+            self._fence_ns = deadline_ns
+            if deadline_ns is not None:
+                self._bucket_end_ns = min(self._bucket_end_ns, deadline_ns)
+
+    def switch_worker(self, worker_id: int, after_unix_ms: int = 0) -> None:
+        """Issue under another worker id from now on, strictly after ``after_unix_ms`` (the previous
+        holder's last millisecond) and after everything this generator issued."""
+        self.layout.check_worker_id(worker_id)
+        with self._lock:
+            self.worker_id = worker_id
+            self._worker_part = worker_id << self.layout.worker_shift
+            self._last = max(self._last, after_unix_ms - self._epoch_ms)
+            self._bucket = iter(())
+            self._bucket_end_ns = -1
 
     # -- lifecycle -------------------------------------------------------------------------------
     @property

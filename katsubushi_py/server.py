@@ -17,11 +17,14 @@ import resource
 import signal
 import socket
 import stat
+from collections.abc import Callable
 from typing import Any
 
 from . import __version__
 from .config import ServerConfig
+from .errors import GenerationError
 from .generator import Generator
+from .leasing import LeaseError, LeaseKeeper
 from .protocol import TextConnection
 from .stats import Stats
 
@@ -181,6 +184,7 @@ class Daemon:
         self.stopping = False
         self._all_closed: asyncio.Event | None = None
         self.addresses: list[str] = []
+        self._own_socket = False
 
     def connection_closed(self) -> None:
         if self._all_closed is not None and not self.connections:
@@ -211,6 +215,7 @@ class Daemon:
                 await self.close_listeners()
                 raise StartupError(f"cannot listen on {config.sock}: {exc.strerror or exc}") from None
             self.servers.append(server)
+            self._own_socket = True
             if config.sock_mode is not None:
                 os.chmod(config.sock, config.sock_mode)
             self.addresses.append(config.sock)
@@ -222,7 +227,8 @@ class Daemon:
             with contextlib.suppress(Exception):
                 await server.wait_closed()
         self.servers.clear()
-        if self.config.sock:
+        if self.config.sock and self._own_socket:  # never remove another daemon's socket
+            self._own_socket = False
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self.config.sock)
 
@@ -242,28 +248,87 @@ class Daemon:
         await self.close_listeners()
 
 
-async def serve(config: ServerConfig, generator: Generator, ready: Any = None) -> None:
-    """Run until SIGTERM or SIGINT, then stop gracefully."""
+async def _lease_generator(
+    keeper: LeaseKeeper, make_generator: Callable[[int], Generator], stop: asyncio.Event
+) -> Generator | None:
+    """Lease a worker id and wait out its delay; None if asked to stop meanwhile."""
+    starting = asyncio.ensure_future(keeper.start(make_generator))
+    stopping = asyncio.ensure_future(stop.wait())
+    try:
+        await asyncio.wait({starting, stopping}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        stopping.cancel()
+    if not starting.done():
+        starting.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await starting
+        return None
+    try:
+        return starting.result()
+    except (LeaseError, GenerationError) as exc:
+        raise StartupError(str(exc)) from None
+    except Exception as exc:  # the Redis client's connection and protocol errors
+        raise StartupError(f"cannot lease a worker id from {keeper.target.display}: {exc}") from None
+
+
+async def serve(
+    config: ServerConfig,
+    generator: Generator | None,
+    make_generator: Callable[[int], Generator] | None = None,
+    ready: Any = None,
+) -> None:
+    """Run until SIGTERM or SIGINT, then stop gracefully. With ``config.lease`` the generator is made
+    by ``make_generator`` once a worker id is leased."""
     loop = asyncio.get_running_loop()
-    daemon = Daemon(config, generator, loop)
-    raise_fd_limit(config.max_connections + _SPARE_FDS)
-    await daemon.start()
     stop = asyncio.Event()
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, stop.set)
-    log.info(
-        "katsubushi-py %s serving worker id %d on %s (loop %s)",
-        __version__,
-        generator.worker_id,
-        ", ".join(daemon.addresses),
-        type(loop).__module__.split(".")[0],
-    )
-    if ready is not None:
-        ready(daemon)
+    keeper: LeaseKeeper | None = None
+    daemon: Daemon | None = None
     try:
+        if config.lease is not None:
+            lease = config.lease
+            keeper = LeaseKeeper(
+                lease.target,
+                lease.timings,
+                lease.min_worker_id,
+                lease.max_worker_id,
+                wait_for_free_id=lease.wait_for_free_id,
+                skew_warn=lease.clock_skew_warn,
+                skew_max=lease.clock_skew_max,
+            )
+            assert make_generator is not None
+            generator = await _lease_generator(keeper, make_generator, stop)
+            if generator is None:
+                return
+        assert generator is not None
+        daemon = Daemon(config, generator, loop)
+        if keeper is not None:
+            daemon.stats.extra = keeper.stat_fields
+        raise_fd_limit(config.max_connections + _SPARE_FDS)
+        await daemon.start()
+        log.info(
+            "katsubushi-py %s serving worker id %d on %s (loop %s)",
+            __version__,
+            generator.worker_id,
+            ", ".join(daemon.addresses),
+            type(loop).__module__.split(".")[0],
+        )
+        if ready is not None:
+            ready(daemon)
         await stop.wait()
-    finally:
         log.info("stopping")
-        await daemon.stop()
+    finally:
+        if daemon is not None:
+            await daemon.stop()
+        if keeper is not None:
+            gen = keeper.generator
+            last_ms = 0
+            if gen is not None:
+                with contextlib.suppress(GenerationError):
+                    gen.close()
+                last_ms = gen.last_issued_ms or 0
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(keeper.stop(last_ms), 1.5)
         for signum in (signal.SIGTERM, signal.SIGINT):
             loop.remove_signal_handler(signum)

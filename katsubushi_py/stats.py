@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable
 
 from .generator import Generator
 from .layout import format_time
@@ -20,6 +21,7 @@ class Stats:
     __slots__ = (
         "cmd_get",
         "curr_connections",
+        "extra",
         "get_hits",
         "get_misses",
         "idle_timeout",
@@ -43,6 +45,8 @@ class Stats:
         self.cmd_get = 0
         self.get_hits = 0
         self.get_misses = 0
+        # More fields from elsewhere (the Redis lease), appended after ours.
+        self.extra: Callable[[], list[tuple[str, object]]] | None = None
 
     def fields(self, generator: Generator) -> list[tuple[str, object]]:
         layout = generator.layout
@@ -70,6 +74,7 @@ class Stats:
             ("max_connections", self.max_connections),
             ("rejected_connections", self.rejected_connections),
             ("idle_timeout", int(self.idle_timeout)),
+            *(self.extra() if self.extra is not None else ()),
         ]
 
     def render(self, generator: Generator) -> bytes:
