@@ -170,11 +170,69 @@ def cmd_serve(argv: Sequence[str]) -> int:
     return run_server(config)
 
 
+def cmd_lease(argv: Sequence[str]) -> int:
+    from .leasing import LeaseError, LeaseKeeper, LeaseTimings, parse_redis_url, pool_snapshot, pool_stats
+
+    parser = _Parser(prog=f"{PROG} lease", description="Inspect or create the Redis pool of worker ids.")
+    sub = parser.add_subparsers(dest="action", required=True)
+    for action, text in (
+        ("init", "create the pool of worker ids MIN..MAX (does nothing if it exists)"),
+        ("stats", "counts: ids in use and free, lease time left, acquire and renew outcomes (JSON)"),
+        ("list", "one JSON line per worker id: owner, time left, last millisecond"),
+    ):
+        p = sub.add_parser(action, help=text, description=text)
+        p.add_argument(
+            "--redis",
+            default=os.environ.get("REDIS") or os.environ.get("redis"),  # noqa: SIM112 - katsubushi reads both
+            help="redis://HOST:PORT/DB?ns=NAME (env REDIS)",
+        )
+        if action == "init":
+            p.add_argument("--min", type=int, default=1, help="lowest worker id (default 1)")
+            p.add_argument("--max", type=int, default=1023, help="highest worker id (default 1023)")
+    args = parser.parse_args(argv)
+    if not args.redis:
+        return _fail("set --redis URL (or REDIS)")
+    try:
+        target = parse_redis_url(args.redis)
+    except LeaseError as exc:
+        return _fail(str(exc))
+
+    async def run() -> int:
+        if args.action == "init":
+            if not 0 <= args.min <= args.max <= 1023:
+                raise LeaseError("need 0 <= --min <= --max <= 1023")
+            keeper = LeaseKeeper(target, LeaseTimings(), args.min, args.max)
+            try:
+                added = await keeper.init_pool()
+            finally:
+                await keeper._drop_client()
+            if added:
+                print(f"created worker id pool {args.min}..{args.max} in {target.display} ({added} ids)")
+            else:
+                print(f"pool already exists in {target.display}; unchanged")
+            return 0
+        snapshot = await pool_snapshot(target)
+        if args.action == "stats":
+            print(json.dumps(pool_stats(snapshot), indent=2))
+        else:
+            for row in snapshot["ids"]:
+                print(json.dumps(row, separators=(",", ":")))
+        return 0
+
+    try:
+        return asyncio.run(run())
+    except LeaseError as exc:
+        return _fail(str(exc))
+    except Exception as exc:  # the Redis client's connection and protocol errors
+        return _fail(f"{target.display}: {exc}", 1)
+
+
 COMMANDS: dict[str, Callable[[Sequence[str]], int]] = {
     "serve": cmd_serve,
     "decode": cmd_decode,
     "id-at": cmd_id_at,
     "partitions": cmd_partitions,
+    "lease": cmd_lease,
 }
 
 

@@ -182,15 +182,16 @@ return {1, now, expiry}
 """
 )
 
-# KEYS: ids owners last released stats. ARGV: token id last_ms. Returns 1, or 0 if not ours.
+# KEYS: ids owners last released stats. ARGV: token id last_ms (0: keep the stored mark).
+# Returns 1, or 0 if not ours.
 RELEASE_LUA = (
     _NOW
     + """
 if redis.call('HGET', KEYS[2], ARGV[2]) ~= ARGV[1] then return 0 end
 redis.call('HDEL', KEYS[2], ARGV[2])
 redis.call('ZADD', KEYS[1], now, ARGV[2])
-local last = tonumber(redis.call('HGET', KEYS[3], ARGV[2]) or '0')
-if tonumber(ARGV[3]) > last then redis.call('HSET', KEYS[3], ARGV[2], ARGV[3]) end
+-- A clean release knows exactly what it issued: that replaces the mark reserved ahead at the last renew.
+if tonumber(ARGV[3]) > 0 then redis.call('HSET', KEYS[3], ARGV[2], ARGV[3]) end
 redis.call('HSET', KEYS[4], ARGV[2], 1)
 redis.call('HINCRBY', KEYS[5], 'release', 1)
 return 1
@@ -329,6 +330,7 @@ class LeaseKeeper:
         self.stats = LeaseStats()
         self._stopping = False
         self._task: asyncio.Task[None] | None = None
+        self._confirmed = asyncio.Event()
         self.generator: Any = None
 
     # -- connection ----------------------------------------------------------------------------
@@ -380,7 +382,7 @@ class LeaseKeeper:
                     ACQUIRE_LUA,
                     [keys.ids, keys.owners, keys.last, keys.released, keys.stats],
                     [token, int(self.timings.ttl * 1000), self.min_id, self.max_id],
-                    int(self.timings.renew * 500),
+                    int(self.timings.renew * 250),
                 )
             except Exception as exc:  # Redis down or unreachable: keep trying
                 await self._drop_client()
@@ -431,7 +433,7 @@ class LeaseKeeper:
                 RENEW_LUA,
                 [keys.ids, keys.owners, keys.last, keys.stats],
                 [lease.token, lease.worker_id, int(self.timings.ttl * 1000), high_water_ms],
-                int(self.timings.renew * 500),
+                int(self.timings.renew * 250),
             )
         except Exception as exc:
             await self._drop_client()
@@ -505,13 +507,17 @@ class LeaseKeeper:
         self._task = asyncio.get_running_loop().create_task(self._maintain(generator))
         if wait > 0:
             await asyncio.sleep(wait)
+        await self._confirmed.wait()
         return generator
 
     def _take(self, lease: Lease, wait: float) -> None:
+        """Start under a new lease: fenced until its first renew has stored a high-water mark in Redis
+        (so that a successor knows how far we may have issued), and until the delay has passed."""
         self.lease = lease
         self.stats.serve_after = time.monotonic() + wait
-        self.stats.deadline_mono = lease.acquired_at + self.timings.ttl - self.timings.margin
-        self.stats.next_renew = lease.acquired_at + self.timings.renew
+        self.stats.deadline_mono = 0.0
+        self.stats.next_renew = time.monotonic()
+        self._confirmed.clear()
 
     def _fence(self, generator: Any) -> None:
         now = time.monotonic()
@@ -543,6 +549,7 @@ class LeaseKeeper:
                 self.stats.renewals += 1
                 self.stats.deadline_mono = sent + timings.ttl - timings.margin
                 self.stats.next_renew = sent + timings.renew
+                self._confirmed.set()
             elif outcome == "failed":
                 self.stats.renew_failures += 1
                 # Retry sooner than a full interval so that a short blip does not fence us.

@@ -1,0 +1,393 @@
+"""Worker ids leased from real redis-server processes, with real daemons."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from conftest import Daemon, DaemonFactory, decode, free_port, parse_values, recv_until, wait_for_port
+from redis_servers import RedisServer, redis_binary, start_redis
+
+TTL, RENEW, DELAY = 3.0, 1.0, 2.0
+FAKETIME_LIB = "/usr/lib/x86_64-linux-gnu/faketime/libfaketime.so.1"
+
+
+@pytest.fixture
+def redis_server(tmp_path: Path) -> Iterator[RedisServer]:
+    server = start_redis(tmp_path / "redis")
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+def lease_args(url: str, ns: str = "t", *more: str) -> list[str]:
+    return [
+        "--redis",
+        f"{url}?ns={ns}",
+        "--lease-ttl",
+        f"{TTL}s",
+        "--lease-renew",
+        f"{RENEW}s",
+        "--lease-delay",
+        f"{DELAY}s",
+        *more,
+    ]
+
+
+def start_leased(daemons: DaemonFactory, url: str, *more: str, ns: str = "t", **kwargs: object) -> Daemon:
+    return daemons.start(*lease_args(url, ns, *more), worker_id=None, **kwargs)  # type: ignore[arg-type]
+
+
+def get(d: Daemon, n: int = 1) -> list[int] | bytes:
+    """IDs, or the raw reply when it is not VALUE lines (SERVER_ERROR ...)."""
+    with d.connect() as s:
+        s.sendall(b"GET " + b" ".join(b"k%d" % i for i in range(n)) + b"\r\n")
+        reply = recv_until(s, b"\r\n")
+        if reply.startswith(b"VALUE"):
+            while not reply.endswith(b"END\r\n"):
+                reply += recv_until(s, b"\r\n")
+            return [i for _, i in parse_values(reply)]
+        return reply
+
+
+def ids(d: Daemon, n: int = 1) -> list[int]:
+    reply = get(d, n)
+    assert isinstance(reply, list), reply
+    return reply
+
+
+def stats(d: Daemon) -> dict[str, str]:
+    with d.connect() as s:
+        s.sendall(b"STATS\r\n")
+        lines = recv_until(s, b"END\r\n").decode().split("\r\n")[:-2]
+    return {line.split(" ")[1]: line.split(" ", 2)[2] for line in lines}
+
+
+def lease_score(server: RedisServer, ns: str, worker_id: int) -> float | None:
+    return server.client().zscore("{" + ns + "}:ids", worker_id)
+
+
+def wait_until(predicate, timeout: float, step: float = 0.05):  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(step)
+    raise AssertionError("condition not met in time")
+
+
+def test_two_then_twenty_daemons_get_distinct_worker_ids(daemons: DaemonFactory, redis_server: RedisServer) -> None:
+    first, second = (start_leased(daemons, redis_server.url) for _ in range(2))
+    workers = {decode(ids(first)[0])[1], decode(ids(second)[0])[1]}
+    assert workers == {1, 2}  # a fresh pool hands out the lowest ids first
+    more = [start_leased(daemons, redis_server.url, wait=False) for _ in range(18)]
+    for d in more:
+        wait_for_port(d.port, d.proc, timeout=60)  # type: ignore[arg-type]
+    every = [first, second, *more]
+    worker_ids = [int(stats(d)["worker_id"]) for d in every]
+    assert len(set(worker_ids)) == 20
+    for d, wid in zip(every, worker_ids, strict=True):
+        assert {decode(i)[1] for i in ids(d, 5)} == {wid}
+        assert stats(d)["lease_state"] == "held"
+
+
+def test_pool_of_three_with_four_daemons(daemons: DaemonFactory, redis_server: RedisServer, tmp_path: Path) -> None:
+    small = ("--min-worker-id", "1", "--max-worker-id", "3")
+    three = [start_leased(daemons, redis_server.url, *small) for _ in range(3)]
+    assert sorted(int(stats(d)["worker_id"]) for d in three) == [1, 2, 3]
+    # A fourth that may not wait says so and exits.
+    impatient = start_leased(daemons, redis_server.url, *small, "--no-wait-for-lease", wait=False)
+    assert impatient.proc.wait(20) == 1
+    assert "no free worker id in 1..3" in impatient.stderr()
+    # A fourth that waits does not listen until an id frees up.
+    fourth = start_leased(daemons, redis_server.url, *small, wait=False)
+    time.sleep(2 * RENEW)
+    with pytest.raises(OSError):
+        socket.create_connection(("127.0.0.1", fourth.port), timeout=0.5)  # type: ignore[arg-type]
+    assert "no free worker id" in fourth.stderr()
+    freed = int(stats(three[1])["worker_id"])
+    last_before = max(ids(three[1], 10))
+    assert three[1].stop() == 0  # a clean stop releases its id
+    wait_for_port(fourth.port, fourth.proc, timeout=20)  # type: ignore[arg-type]
+    assert int(stats(fourth)["worker_id"]) == freed
+    assert min(ids(fourth, 10)) > last_before
+
+
+def test_clean_shutdown_releases_the_id_for_immediate_reuse(daemons: DaemonFactory, redis_server: RedisServer) -> None:
+    one = ("--min-worker-id", "5", "--max-worker-id", "5")
+    first = start_leased(daemons, redis_server.url, *one)
+    issued = ids(first, 100)
+    assert first.stop() == 0
+    client = redis_server.client()
+    assert client.hget("{t}:owners", 5) is None
+    seconds, micros = client.time()
+    assert lease_score(redis_server, "t", 5) <= seconds * 1000 + micros // 1000  # free
+    assert int(client.hget("{t}:last_ms", 5)) >= decode(max(issued))[0]
+    started = time.monotonic()
+    second = start_leased(daemons, redis_server.url, *one)
+    assert time.monotonic() - started < DELAY  # released cleanly: no delay
+    assert min(ids(second, 10)) > max(issued)
+    assert "released worker id 5" in first.stderr()
+
+
+def test_killed_daemon_frees_its_id_after_expiry_and_the_next_holder_issues_greater_ids(
+    daemons: DaemonFactory, redis_server: RedisServer
+) -> None:
+    one = ("--min-worker-id", "9", "--max-worker-id", "9")
+    first = start_leased(daemons, redis_server.url, *one)
+    issued = []
+    for _ in range(20):
+        issued += ids(first, 50)
+    first.stop(signal.SIGKILL)
+    killed_at = time.monotonic()
+    second = start_leased(daemons, redis_server.url, *one, wait=False)
+    wait_for_port(second.port, second.proc, timeout=30)  # type: ignore[arg-type]
+    # It could only take the id once the lease expired, and then waited out the delay.
+    assert time.monotonic() - killed_at >= TTL - 1.0
+    later = ids(second, 50)
+    assert {decode(i)[1] for i in later} == {9}
+    assert min(later) > max(issued)
+
+
+@pytest.mark.skipif(not os.path.exists(FAKETIME_LIB), reason="libfaketime is not installed (apt-get install faketime)")
+def test_next_holder_with_a_slow_clock_still_issues_greater_ids(
+    daemons: DaemonFactory, redis_server: RedisServer
+) -> None:
+    """The previous holder's last millisecond is handed over: a successor whose clock is 4 s behind
+    answers SERVER_ERROR until its clock passes it, and never issues a smaller ID."""
+    one = ("--min-worker-id", "3", "--max-worker-id", "3")
+    first = start_leased(daemons, redis_server.url, *one)
+    issued = ids(first, 100)
+    assert first.stop() == 0
+    slow = {"LD_PRELOAD": FAKETIME_LIB, "FAKETIME": "-4", "DONT_FAKE_MONOTONIC": "1"}
+    second = start_leased(daemons, redis_server.url, *one, env=slow)
+    reply = get(second)
+    assert isinstance(reply, bytes) and reply.startswith(b"SERVER_ERROR clock moved backwards"), reply
+    later = wait_until(lambda: (r := get(second, 10)) and isinstance(r, list) and r, timeout=10)
+    assert min(later) > max(issued)
+
+
+@pytest.mark.skipif(not os.path.exists(FAKETIME_LIB), reason="libfaketime is not installed (apt-get install faketime)")
+def test_clock_far_from_redis_time_is_refused(daemons: DaemonFactory, redis_server: RedisServer) -> None:
+    skewed = {"LD_PRELOAD": FAKETIME_LIB, "FAKETIME": "+30", "DONT_FAKE_MONOTONIC": "1"}
+    d = start_leased(daemons, redis_server.url, env=skewed, wait=False)
+    assert d.proc.wait(20) == 1
+    assert re.search(r"differs from Redis TIME by \+(29\.9|30\.0)", d.stderr()), d.stderr()
+
+
+def test_redis_unreachable_fences_before_expiry_and_resumes(daemons: DaemonFactory, redis_server: RedisServer) -> None:
+    d = start_leased(daemons, redis_server.url)
+    worker = int(stats(d)["worker_id"])
+    assert ids(d)
+    time.sleep(RENEW * 1.5)
+    client = redis_server.client()
+    expiry_ms = lease_score(redis_server, "t", worker)
+    redis_server.pause()
+    try:
+        issued: list[int] = []
+        first_error_at = None
+        deadline = time.monotonic() + TTL + 2
+        while time.monotonic() < deadline:
+            reply = get(d)
+            if isinstance(reply, bytes):
+                assert reply == b"SERVER_ERROR worker id lease not confirmed\r\n"
+                first_error_at = time.time() * 1000
+                break
+            issued += reply
+            time.sleep(0.02)
+        assert first_error_at is not None, "the daemon kept issuing while Redis was unreachable"
+        # Every ID was issued before the lease as last seen in Redis could expire; it stopped before that.
+        assert expiry_ms is not None
+        assert all(decode(i)[0] < expiry_ms for i in issued)
+        assert first_error_at < expiry_ms
+        assert stats(d)["lease_state"] == "unconfirmed"
+    finally:
+        redis_server.resume()
+    resumed = wait_until(lambda: (r := get(d)) and isinstance(r, list) and r, timeout=10)
+    assert decode(resumed[0])[1] == worker
+    assert int(stats(d)["lease_renew_failures"]) >= 1
+    assert int(client.hget("{t}:stats", "renew_after_expiry") or 0) >= 0
+
+
+def test_overwritten_owner_token_stops_issuing_and_moves_to_a_new_id(
+    daemons: DaemonFactory, redis_server: RedisServer
+) -> None:
+    d = start_leased(daemons, redis_server.url)
+    old = int(stats(d)["worker_id"])
+    before = ids(d, 10)
+    redis_server.client().hset("{t}:owners", old, "intruder")
+    changed_at = time.monotonic()
+    last_old_at = changed_at
+    replies: list[list[int] | bytes] = []
+    while time.monotonic() - changed_at < RENEW + 3:
+        reply = get(d)
+        replies.append(reply)
+        if isinstance(reply, list):
+            if decode(reply[0])[1] == old:
+                last_old_at = time.monotonic()
+            else:
+                break
+        else:
+            assert reply == b"SERVER_ERROR worker id lease not confirmed\r\n", reply
+        time.sleep(0.005)
+    # The daemon noticed at its next renew, stopped issuing under the old id, and moved to another.
+    assert last_old_at - changed_at <= RENEW + 0.5
+    after = ids(d, 5)
+    new = decode(after[0])[1]
+    assert new != old and {decode(i)[1] for i in after} == {new}
+    assert min(after) > max(before)
+    fields = stats(d)
+    assert fields["worker_id"] == str(new) and fields["worker_id_changes"] == "1"
+    assert redis_server.client().hget("{t}:owners", old) == b"intruder"
+    assert "is no longer ours" in d.stderr()
+
+
+def test_replica_majority_is_waited_for(daemons: DaemonFactory, redis_server: RedisServer, tmp_path: Path) -> None:
+    replica = start_redis(tmp_path / "replica", "--replicaof", "127.0.0.1", str(redis_server.port))
+    try:
+        wait_until(lambda: redis_server.client().info("replication")["connected_slaves"] == 1, timeout=10)
+        d = start_leased(daemons, redis_server.url)
+        assert ids(d)
+        time.sleep(RENEW * 1.5)
+        assert ids(d)  # renewals acknowledged by the replica
+        replica.pause()  # still connected, but it acknowledges nothing
+        saw = wait_until(lambda: (r := get(d)) and isinstance(r, bytes) and r, timeout=TTL + 3)
+        assert saw == b"SERVER_ERROR worker id lease not confirmed\r\n"
+        assert "replicas acknowledged" in d.stderr()
+        replica.resume()
+        assert wait_until(lambda: (r := get(d)) and isinstance(r, list) and r, timeout=10)
+    finally:
+        replica.stop()
+
+
+def test_three_node_redis_cluster(daemons: DaemonFactory, tmp_path: Path) -> None:
+    nodes = [
+        start_redis(
+            tmp_path / f"node{i}",
+            "--cluster-enabled",
+            "yes",
+            "--cluster-config-file",
+            str(tmp_path / f"node{i}" / "nodes.conf"),
+            "--cluster-node-timeout",
+            "2000",
+        )
+        for i in range(3)
+    ]
+    try:
+        created = subprocess.run(
+            [
+                redis_binary("redis-cli"),
+                "--cluster",
+                "create",
+                *(f"127.0.0.1:{n.port}" for n in nodes),
+                "--cluster-replicas",
+                "0",
+                "--cluster-yes",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert created.returncode == 0, created.stdout + created.stderr
+        wait_until(lambda: all(n.client().cluster("info")["cluster_state"] == "ok" for n in nodes), timeout=20)
+        url = f"rediscluster://127.0.0.1:{nodes[0].port}"
+        a = daemons.start("--redis", f"{url}?ns=clu", "--lease-ttl", "3s", worker_id=None)
+        b = daemons.start("--redis", f"{url}?ns=clu", "--lease-ttl", "3s", worker_id=None)
+        wa, wb = int(stats(a)["worker_id"]), int(stats(b)["worker_id"])
+        assert {wa, wb} == {1, 2}
+        assert {decode(i)[1] for i in ids(a, 5)} == {wa}
+        # The namespace's keys live in one slot on one node.
+        holders = [
+            n for n in nodes if n.client().cluster("countkeysinslot", n.client().cluster("keyslot", "{clu}:ids"))
+        ]
+        assert len(holders) == 1
+        assert a.stop() == 0
+    finally:
+        for n in nodes:
+            n.stop()
+
+
+def run_tool(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "katsubushi_py", *args], capture_output=True, text=True, timeout=30)
+
+
+def test_lease_tools(daemons: DaemonFactory, redis_server: RedisServer) -> None:
+    url = f"{redis_server.url}?ns=tools"
+    first = run_tool("lease", "init", "--redis", url, "--min", "1", "--max", "10")
+    assert first.returncode == 0, first.stderr
+    assert "created" in first.stdout and "10" in first.stdout
+    again = run_tool("lease", "init", "--redis", url, "--min", "1", "--max", "10")
+    assert again.returncode == 0 and "already exists" in again.stdout
+    d = daemons.start("--redis", url, "--lease-ttl", "3s", worker_id=None)
+    issued = ids(d, 3)
+    time.sleep(RENEW * 1.5)
+    summary = json.loads(run_tool("lease", "stats", "--redis", url).stdout)
+    assert summary["ids_in_use"] == 1 and summary["ids_free"] == 9
+    assert summary["acquire_success"] == 1 and summary["renew_success"] >= 1
+    assert 0 < summary["lease_ttl_left_ms_max"] <= 3000
+    rows = [json.loads(line) for line in run_tool("lease", "list", "--redis", url).stdout.splitlines()]
+    assert [r["worker_id"] for r in rows] == list(range(1, 11))
+    held = [r for r in rows if r["in_use"]]
+    assert len(held) == 1 and held[0]["worker_id"] == decode(issued[0])[1] and held[0]["owner"]
+    assert held[0]["last_ms"] >= decode(issued[-1])[0]
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (("--redis", "http://x"), "invalid scheme"),
+        (("--redis", "redis://127.0.0.1:1/0", "--worker-id", "3"), "either --worker-id or --redis"),
+        (("--redis", "redis://127.0.0.1:1/0", "--lease-ttl", "3s", "--lease-renew", "2s"), "unsafe"),
+        (("--redis", "redis://127.0.0.1:1/0", "--lease-renew", "1s", "--lease-delay", "1s"), "at least twice"),
+        (("--redis", "redis://127.0.0.1:1/0", "--min-worker-id", "9", "--max-worker-id", "3"), "greater than"),
+        (("--redis", "redis://127.0.0.1:1/0", "--max-worker-id", "1024"), "invalid max worker id"),
+        (("--redis", "rediscluster://127.0.0.1:1/2"), "cannot select a database"),
+        (("--lease-ttl", "3s", "--worker-id", "1"), "needs --redis"),
+    ],
+)
+def test_bad_lease_configuration(args: tuple[str, ...], message: str) -> None:
+    result = run_tool(*args, "--port", str(free_port()))
+    assert result.returncode == 2
+    assert message in result.stderr and len(result.stderr.strip().splitlines()) == 1, result.stderr
+
+
+def test_unreachable_redis_at_start_is_one_line_and_exit_1() -> None:
+    result = run_tool("--redis", f"redis://127.0.0.1:{free_port()}/0", "--port", str(free_port()))
+    assert result.returncode == 1
+    lines = result.stderr.strip().splitlines()
+    assert lines[-1].startswith("katsubushi-py: error: cannot lease a worker id from redis://127.0.0.1:")
+    assert "Traceback" not in result.stderr
+
+
+def test_katsubushi_redis_spellings_and_environment(daemons: DaemonFactory, redis_server: RedisServer) -> None:
+    port = free_port()
+    d = daemons.start(
+        worker_id=None,
+        port=None,
+        wait=False,
+        env={
+            "REDIS": f"{redis_server.url}?ns=env",
+            "MIN_WORKER_ID": "7",
+            "MAX_WORKER_ID": "8",
+            "PORT": str(port),
+            "WORKER_ID": "0",
+        },
+    )
+    d.port = port
+    wait_for_port(port, d.proc)
+    assert int(stats(d)["worker_id"]) == 7
+    e = daemons.start(
+        "-redis", f"{redis_server.url}?ns=env", "-min-worker-id", "7", "-max-worker-id", "8", worker_id=None
+    )
+    assert int(stats(e)["worker_id"]) == 8
