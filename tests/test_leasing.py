@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import glob
 import json
 import os
 import re
@@ -18,7 +19,7 @@ from conftest import Daemon, DaemonFactory, decode, free_port, parse_values, rec
 from redis_servers import RedisServer, redis_binary, start_redis
 
 TTL, RENEW, DELAY = 3.0, 1.0, 2.0
-FAKETIME_LIB = "/usr/lib/x86_64-linux-gnu/faketime/libfaketime.so.1"
+FAKETIME_LIB = next(iter(glob.glob("/usr/lib/*/faketime/libfaketime.so.1")), "/nonexistent/libfaketime.so.1")
 
 
 @pytest.fixture
