@@ -392,3 +392,18 @@ def test_katsubushi_redis_spellings_and_environment(daemons: DaemonFactory, redi
         "-redis", f"{redis_server.url}?ns=env", "-min-worker-id", "7", "-max-worker-id", "8", worker_id=None
     )
     assert int(stats(e)["worker_id"]) == 8
+
+
+def test_unix_socket_redis_url(daemons: DaemonFactory, tmp_path: Path) -> None:
+    sock = tmp_path / "r.sock"
+    server = start_redis(tmp_path / "unixredis", "--unixsocket", str(sock), "--unixsocketperm", "700")
+    try:
+        d = daemons.start("--redis", f"unix://{sock}?db=3&ns=u", "--lease-ttl", "3s", worker_id=None)
+        assert int(stats(d)["worker_id"]) == 1
+        assert server.client().zcard("{u}:ids") == 0  # database 0 is untouched
+        import redis
+
+        direct = redis.Redis(unix_socket_path=str(sock), db=3)
+        assert direct.zcard("{u}:ids") == 1023
+    finally:
+        server.stop()
