@@ -362,50 +362,37 @@ def test_state_file_survives_a_kill(daemons: DaemonFactory, tmp_path: Path) -> N
     assert time.monotonic() - started < 1.0
 
 
-def test_open_files_limit_is_raised_for_the_connection_limit(tmp_path: Path) -> None:
+def run_with_nofile_limit(soft: int, hard: int) -> tuple[str, bytes, int]:
+    """Start the daemon under an open-files limit with --max-connections 2000; return its soft limit
+    once listening, its stderr and its exit status after SIGTERM."""
     import resource
+
+    from conftest import wait_for_port
 
     port = free_port()
 
-    def low_soft_limit() -> None:
-        resource.setrlimit(resource.RLIMIT_NOFILE, (64, 4096))
+    def limit() -> None:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
 
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "katsubushi_py", "--worker-id", "1", "--port", str(port), "--max-connections", "2000"],
-        stderr=subprocess.PIPE,
-        preexec_fn=low_soft_limit,
-    )
+    cmd = [sys.executable, "-m", "katsubushi_py", "--worker-id", "1", "--port", str(port), "--max-connections", "2000"]
+    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, preexec_fn=limit)
     try:
-        from conftest import wait_for_port
-
         wait_for_port(port, proc)
         limits = Path(f"/proc/{proc.pid}/limits").read_text()
-        line = next(row for row in limits.splitlines() if row.startswith("Max open files"))
-        assert line.split()[3] == str(2000 + 32)  # soft limit raised to fit, below the hard limit
-    finally:
-        proc.terminate()
-        proc.wait(5)
-
-
-def test_too_low_hard_open_files_limit_is_a_warning() -> None:
-    import resource
-
-    port = free_port()
-
-    def low_hard_limit() -> None:
-        resource.setrlimit(resource.RLIMIT_NOFILE, (64, 128))
-
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "katsubushi_py", "--worker-id", "1", "--port", str(port), "--max-connections", "2000"],
-        stderr=subprocess.PIPE,
-        preexec_fn=low_hard_limit,
-    )
-    try:
-        from conftest import wait_for_port
-
-        wait_for_port(port, proc)
+        soft_now = next(row for row in limits.splitlines() if row.startswith("Max open files")).split()[3]
     finally:
         proc.terminate()
         _, err = proc.communicate(timeout=5)
-    assert b"open-files limit is 128 (hard limit 128)" in err
-    assert proc.returncode == 0
+    return soft_now, err, proc.returncode
+
+
+def test_open_files_limit_is_raised_for_the_connection_limit() -> None:
+    soft, err, status = run_with_nofile_limit(64, 4096)
+    assert soft == str(2000 + 32)  # raised to fit, within the hard limit
+    assert b"open-files limit" not in err and status == 0
+
+
+def test_too_low_hard_open_files_limit_is_a_warning() -> None:
+    soft, err, status = run_with_nofile_limit(64, 128)
+    assert soft == "128"
+    assert b"open-files limit is 128 (hard limit 128)" in err and status == 0
