@@ -117,6 +117,13 @@ def test_pool_of_three_with_four_daemons(daemons: DaemonFactory, redis_server: R
     with pytest.raises(OSError):
         socket.create_connection(("127.0.0.1", fourth.port), timeout=0.5)  # type: ignore[arg-type]
     assert "no free worker id" in fourth.stderr()
+    # One more waiting daemon stops promptly and cleanly on SIGTERM.
+    fifth = start_leased(daemons, redis_server.url, *small, wait=False)
+    wait_until(lambda: "no free worker id" in fifth.stderr(), timeout=10)
+    started = time.monotonic()
+    assert fifth.stop(signal.SIGTERM) == 0
+    assert time.monotonic() - started < 2.0
+    assert "Traceback" not in fifth.stderr()
     freed = int(stats(three[1])["worker_id"])
     last_before = max(ids(three[1], 10))
     assert three[1].stop() == 0  # a clean stop releases its id
