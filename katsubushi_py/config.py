@@ -302,11 +302,11 @@ def parse_server_config(
 
 def _lease_config(given: dict[str, object], layout: Layout) -> LeaseConfig | None:
     url = given.get("redis")
-    lease_flags = ("min_worker_id", "max_worker_id", "lease_ttl", "lease_renew", "lease_delay")
     if not url:
-        stray = [name for name in lease_flags if name in given and name not in ("min_worker_id", "max_worker_id")]
-        if stray:
-            raise ConfigError(f"--{stray[0].replace('_', '-')} needs --redis")
+        # (--min/--max-worker-id without --redis are ignored, as go-katsubushi ignores them.)
+        for name in ("lease_ttl", "lease_renew", "lease_delay"):
+            if name in given:
+                raise ConfigError(f"--{name.replace('_', '-')} needs --redis")
         return None
     try:
         target = parse_redis_url(str(url))

@@ -11,6 +11,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
+from decimal import Decimal
 from typing import NamedTuple
 
 #: go-katsubushi's epoch, 2015-01-01T00:00:00Z, in unix milliseconds.
@@ -198,8 +199,6 @@ def _seconds_to_ms(seconds: int | float) -> int:
     if isinstance(seconds, int):
         return seconds * 1000
     # repr keeps the digits the user typed (1465276650.777 -> 1465276650777, not ...776).
-    from decimal import Decimal
-
     return int((Decimal(repr(seconds)) * 1000).to_integral_value(rounding="ROUND_FLOOR"))
 
 

@@ -282,7 +282,6 @@ class LeaseTimings:
 class Lease:
     worker_id: int
     token: str
-    acquired_at: float  # monotonic seconds
 
 
 @dataclass
@@ -374,7 +373,6 @@ class LeaseKeeper:
         announced = False
         while True:
             token = new_token()
-            sent = time.monotonic()
             try:
                 client = await self._client()
                 result, problem = await run_script(
@@ -408,7 +406,7 @@ class LeaseKeeper:
                 await asyncio.sleep(self.timings.renew)
                 continue
             worker_id, now_ms, _expiry, prev_expiry, prev_last, clean = (int(x) for x in result)
-            lease = Lease(worker_id, token, sent)
+            lease = Lease(worker_id, token)
             if problem:
                 log.warning("worker id %d: acquire not durable (%s); releasing and retrying", worker_id, problem)
                 await self._release(lease, 0)
