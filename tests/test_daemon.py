@@ -1,6 +1,7 @@
 """The daemon as a real process on real sockets."""
 
 import itertools
+import json
 import os
 import signal
 import socket
@@ -396,3 +397,34 @@ def test_too_low_hard_open_files_limit_is_a_warning() -> None:
     soft, err, status = run_with_nofile_limit(64, 128)
     assert soft == "128"
     assert b"open-files limit is 128 (hard limit 128)" in err and status == 0
+
+
+def test_json_log_format(daemons: DaemonFactory) -> None:
+    d = daemons.start("--log-format", "json")
+    assert d.stop() == 0
+    records = [json.loads(line) for line in d.stderr().splitlines()]
+    assert records[0]["level"] == "info" and "serving worker id 7" in records[0]["msg"]
+    assert records[-1]["msg"] == "stopped"
+    assert all(r["time"].endswith("Z") for r in records)
+
+
+@pytest.mark.skipif(not socket.has_ipv6, reason="no IPv6")
+def test_ipv6_host(daemons: DaemonFactory) -> None:
+    port = free_port()
+    try:
+        with socket.socket(socket.AF_INET6) as probe:
+            probe.bind(("::1", port))
+    except OSError:
+        pytest.skip("::1 is not available here")
+    d = daemons.start("--host", "::1", port=port, wait=False)
+    deadline = time.monotonic() + 10
+    while True:
+        try:
+            s = socket.create_connection(("::1", port), timeout=1)
+            break
+        except OSError:
+            assert time.monotonic() < deadline and d.proc.poll() is None, d.stderr()
+            time.sleep(0.05)
+    with s:
+        assert decode(get(s, b"a")[0])[1] == 7
+    assert f"[::1]:{port}" in d.stderr()
