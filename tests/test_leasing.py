@@ -194,6 +194,14 @@ def test_clock_far_from_redis_time_is_refused(daemons: DaemonFactory, redis_serv
     assert re.search(r"differs from Redis TIME by \+(29\.9|30\.0)", d.stderr()), d.stderr()
 
 
+@pytest.mark.skipif(not os.path.exists(FAKETIME_LIB), reason="libfaketime is not installed (apt-get install faketime)")
+def test_clock_somewhat_off_redis_time_is_a_warning(daemons: DaemonFactory, redis_server: RedisServer) -> None:
+    ahead = {"LD_PRELOAD": FAKETIME_LIB, "FAKETIME": "+2", "DONT_FAKE_MONOTONIC": "1"}
+    d = start_leased(daemons, redis_server.url, env=ahead)
+    assert ids(d)
+    assert re.search(r"WARNING local clock differs from Redis TIME by \+(1\.9|2\.0)", d.stderr()), d.stderr()
+
+
 def test_redis_unreachable_fences_before_expiry_and_resumes(daemons: DaemonFactory, redis_server: RedisServer) -> None:
     d = start_leased(daemons, redis_server.url)
     worker = int(stats(d)["worker_id"])
