@@ -1,20 +1,24 @@
 """katsubushi-py: unique 64-bit IDs over the memcached protocol.
 
-The pieces, one module each: :mod:`.layout` (the bits of an ID), :mod:`.generator` (issuing them),
-:mod:`.statefile` (restart safety), :mod:`.encodings` (text forms), :mod:`.protocol` (memcached text
-protocol, sans-IO), :mod:`.server` (asyncio daemon), :mod:`.config` (command line and environment),
-:mod:`.tools` (decode, id-at, partitions) and :mod:`.cli` (the ``katsubushi-py`` command).
+A package per layer, from the bottom up:
+
+- :mod:`.ids`: what an ID is (layout, encodings) and the tools that read IDs (decode, id-at, partitions);
+- :mod:`.issuing`: the generator, its state file, and the issuer every front end asks for IDs;
+- :mod:`.leasing`: worker ids leased from Redis;
+- :mod:`.frontends`: the wire protocols, sans-IO (bytes in, bytes out);
+- :mod:`.daemon`: the asyncio server around them;
+- :mod:`.config` and :mod:`.cli`: the ``katsubushi-py`` command.
 """
 
-from .errors import (
+from .ids.layout import DEFAULT_LAYOUT, KATSUBUSHI_EPOCH_MS, DecodedID, Layout, LayoutError
+from .issuing.errors import (
     ClockMovedBackwardsError,
     GenerationError,
     GeneratorClosedError,
     LayoutExhaustedError,
     StateFileError,
 )
-from .generator import Clock, Generator, SystemClock
-from .layout import DEFAULT_LAYOUT, KATSUBUSHI_EPOCH_MS, DecodedID, Layout, LayoutError
+from .issuing.generator import Clock, Generator, SystemClock
 
 __version__ = "0.1.0"
 

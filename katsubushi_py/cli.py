@@ -22,11 +22,11 @@ from collections.abc import Callable, Sequence
 
 from . import __version__
 from .config import ConfigError, ServerConfig, _Parser, add_layout_options, layout_from_args, parse_server_config
-from .encodings import ENCODINGS
-from .errors import GenerationError
-from .generator import Generator
-from .layout import LayoutError
-from .tools import ToolError, decode_many, id_at, partitions
+from .ids.encodings import ENCODINGS
+from .ids.layout import LayoutError
+from .ids.tools import ToolError, decode_many, id_at, partitions
+from .issuing.errors import GenerationError
+from .issuing.generator import Generator
 
 PROG = "katsubushi-py"
 
@@ -128,7 +128,7 @@ def loop_factory(name: str) -> Callable[[], asyncio.AbstractEventLoop]:
 
 
 def run_server(config: ServerConfig) -> int:
-    from .server import StartupError, serve
+    from .daemon.server import StartupError, serve
 
     setup_logging(config.log_level, config.log_format)
     log = logging.getLogger("katsubushi_py")
@@ -136,7 +136,11 @@ def run_server(config: ServerConfig) -> int:
 
     def make_generator(worker_id: int) -> Generator:
         return Generator(
-            worker_id, config.layout, max_backwards_wait=config.max_clock_wait, state_file=config.state_file
+            worker_id,
+            config.layout,
+            max_backwards_wait=config.max_clock_wait,
+            state_file=config.state_file,
+            block_on_clock=False,  # a clock wait must not stall the event loop
         )
 
     generator = None
@@ -171,7 +175,8 @@ def cmd_serve(argv: Sequence[str]) -> int:
 
 
 def cmd_lease(argv: Sequence[str]) -> int:
-    from .leasing import LeaseError, LeaseKeeper, LeaseTimings, parse_redis_url, pool_snapshot, pool_stats
+    from .leasing import LeaseError, LeaseKeeper, LeaseTimings, parse_redis_url
+    from .leasing.pool import pool_snapshot, pool_stats
 
     parser = _Parser(prog=f"{PROG} lease", description="Inspect or create the Redis pool of worker ids.")
     sub = parser.add_subparsers(dest="action", required=True)

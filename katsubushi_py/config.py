@@ -12,9 +12,9 @@ import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from .layout import DEFAULT_LAYOUT, KATSUBUSHI_EPOCH_MS, Layout, LayoutError
+from .ids.layout import DEFAULT_LAYOUT, KATSUBUSHI_EPOCH_MS, Layout, LayoutError
+from .ids.tools import ToolError, parse_epoch
 from .leasing import LeaseError, LeaseTimings, RedisTarget, parse_redis_url
-from .tools import ToolError, parse_epoch
 
 DEFAULT_PORT = 11212
 DEFAULT_IDLE_TIMEOUT = 600.0

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from katsubushi_py.layout import KATSUBUSHI_EPOCH_MS
+from katsubushi_py.ids.layout import KATSUBUSHI_EPOCH_MS
 
 # 2026-11-22T00:00:00Z: well inside the default layout's lifetime.
 FAKE_START_MS = 1_795_305_600_000

@@ -2,7 +2,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from katsubushi_py.encodings import ENCODINGS, MAX_U64, EncodingError, decode, encode
+from katsubushi_py.ids.encodings import ENCODINGS, MAX_U64, EncodingError, decode, encode
 
 u64 = st.integers(0, MAX_U64)
 

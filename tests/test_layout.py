@@ -5,7 +5,7 @@ from conftest import FAKE_START_MS
 from hypothesis import example, given
 from hypothesis import strategies as st
 
-from katsubushi_py.layout import DEFAULT_LAYOUT, KATSUBUSHI_EPOCH_MS, Layout, LayoutError, format_time
+from katsubushi_py.ids.layout import DEFAULT_LAYOUT, KATSUBUSHI_EPOCH_MS, Layout, LayoutError, format_time
 
 
 def test_known_vectors() -> None:

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from katsubushi_py.layout import DEFAULT_LAYOUT
+from katsubushi_py.ids.layout import DEFAULT_LAYOUT
 
 
 def run(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess[str]:

@@ -1,9 +1,8 @@
-"""The asyncio daemon: listeners, connections, limits, shutdown. The protocol itself is elsewhere.
+"""The asyncio daemon: listeners, the shared issuer and counters, the lease, a graceful stop.
 
-Each connection is an ``asyncio.Protocol`` that hands bytes to a sans-IO
-:class:`~katsubushi_py.protocol.TextConnection` and writes its reply once. This layer only does what
-needs the event loop: flow control (stop reading from a client that does not read), the idle timeout,
-the connection limit, the unix socket file and a graceful stop.
+Connections are :class:`~.connection.ConnectionHandler` objects (flow control, idle timeout, clock
+waits) around the sans-IO protocols of :mod:`katsubushi_py.frontends`. This module opens and closes
+listeners, owns the unix socket file, raises the open-files limit and runs the daemon until a signal.
 """
 
 from __future__ import annotations
@@ -20,17 +19,16 @@ import stat
 from collections.abc import Callable
 from typing import Any
 
-from . import __version__
-from .config import ServerConfig
-from .errors import GenerationError
-from .generator import Generator
-from .leasing import LeaseError, LeaseKeeper
-from .protocol import TextConnection
+from .. import __version__
+from ..config import ServerConfig
+from ..issuing.errors import GenerationError
+from ..issuing.generator import Generator
+from ..issuing.issuer import Issuer
+from ..leasing import LeaseError, LeaseKeeper
+from .connection import ConnectionHandler
 from .stats import Stats
 
 log = logging.getLogger("katsubushi_py")
-
-TOO_MANY_CONNECTIONS = b"SERVER_ERROR too many connections\r\n"
 
 # File descriptors the process needs besides its client connections (listeners, logs, state file).
 _SPARE_FDS = 32
@@ -38,93 +36,6 @@ _SPARE_FDS = 32
 
 class StartupError(RuntimeError):
     """The daemon cannot start (port in use, live daemon on the socket, ...): one line for the user."""
-
-
-class ConnectionHandler(asyncio.Protocol):
-    """One client connection: thin glue between the transport and the sans-IO protocol."""
-
-    __slots__ = ("_conn", "_daemon", "_idle_handle", "_last_commands", "_receive", "_transport", "_write")
-
-    def __init__(self, daemon: Daemon) -> None:
-        self._daemon = daemon
-        self._transport: asyncio.Transport | None = None
-        self._conn: TextConnection | None = None
-        self._idle_handle: asyncio.TimerHandle | None = None
-        self._last_commands = 0
-
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        # uvloop's transports do not subclass asyncio.Transport, so no isinstance check here.
-        tcp: asyncio.Transport = transport  # type: ignore[assignment]
-        daemon = self._daemon
-        stats = daemon.stats
-        if len(daemon.connections) >= daemon.config.max_connections or daemon.stopping:
-            stats.rejected_connections += 1
-            tcp.write(TOO_MANY_CONNECTIONS)
-            tcp.close()
-            return
-        self._transport = tcp
-        conn = self._conn = TextConnection(daemon.generator, stats, gets_cas=daemon.config.gets_cas)
-        # Bound once here rather than looked up on every request.
-        self._receive = conn.receive
-        self._write = tcp.write
-        daemon.connections.add(self)
-        stats.curr_connections += 1
-        stats.total_connections += 1
-        if daemon.config.idle_timeout > 0:
-            self._idle_handle = daemon.loop.call_later(daemon.config.idle_timeout, self._check_idle)
-
-    def data_received(self, data: bytes) -> None:
-        conn = self._conn
-        if conn is None:  # a refused connection: nothing to answer
-            return
-        reply = self._receive(data)
-        if reply:
-            self._write(reply)
-        if conn.closing:
-            self._transport.close()  # type: ignore[union-attr]
-
-    def _check_idle(self) -> None:
-        """Runs once per idle-timeout period, not per request: close only if no command completed
-        since the previous check, otherwise look again one period later."""
-        conn = self._conn
-        transport = self._transport
-        if conn is None or transport is None or transport.is_closing():
-            return
-        if conn.commands == self._last_commands:
-            log.debug("closing idle connection")
-            transport.close()
-            return
-        self._last_commands = conn.commands
-        self._idle_handle = self._daemon.loop.call_later(self._daemon.config.idle_timeout, self._check_idle)
-
-    def pause_writing(self) -> None:
-        # The client is not reading its replies: stop reading its requests until it catches up.
-        if self._transport is not None:
-            self._transport.pause_reading()
-
-    def resume_writing(self) -> None:
-        if self._transport is not None and not self._transport.is_closing():
-            self._transport.resume_reading()
-
-    def eof_received(self) -> bool:
-        return False  # close our side too; anything already answered has been written
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        if self._idle_handle is not None:
-            self._idle_handle.cancel()
-        if self._conn is not None and self in self._daemon.connections:
-            self._daemon.connections.discard(self)
-            self._daemon.stats.curr_connections -= 1
-            self._daemon.connection_closed()
-        self._conn = None
-
-    def close(self) -> None:
-        if self._transport is not None:
-            self._transport.close()
-
-    def abort(self) -> None:
-        if self._transport is not None:
-            self._transport.abort()
 
 
 def raise_fd_limit(needed: int) -> None:
@@ -172,13 +83,15 @@ def prepare_unix_socket(path: str) -> None:
 
 
 class Daemon:
-    """Listeners plus the shared generator and counters."""
+    """Listeners plus the shared issuer and counters."""
 
     def __init__(self, config: ServerConfig, generator: Generator, loop: asyncio.AbstractEventLoop) -> None:
         self.config = config
         self.generator = generator
+        self.issuer = Issuer(generator, __version__)
         self.loop = loop
-        self.stats = Stats(__version__, config.max_connections, config.idle_timeout)
+        self.stats = Stats(self.issuer, config.max_connections, config.idle_timeout)
+        self.issuer.stats_fields = self.stats.fields
         self.connections: set[ConnectionHandler] = set()
         self.servers: list[asyncio.AbstractServer] = []
         self.stopping = False
@@ -235,6 +148,7 @@ class Daemon:
     async def stop(self, grace: float = 0.8) -> None:
         """Stop accepting, let every connection flush what it was already answered, then close."""
         self.stopping = True
+        self.issuer.unavailable = "shutting down"
         for server in self.servers:
             server.close()
         self._all_closed = asyncio.Event()

@@ -1,8 +1,9 @@
-"""Counters shared by every connection, and the STATS reply.
+"""The daemon's connection counters, and the fields every STATS-like reply shows.
 
 The first nine fields are go-katsubushi's, in its order and with its meanings, because Mackerel and
-Prometheus exporters written for it parse them: ``cmd_get`` counts GET/GETS commands, ``get_hits`` IDs
-issued, ``get_misses`` commands that failed to issue. Our own fields follow.
+Prometheus exporters written for it parse them: ``cmd_get`` counts ID requests (GET/GETS commands and
+their equivalents in the other protocols), ``get_hits`` IDs issued, ``get_misses`` requests that failed
+to issue. Connections are counted over every listener, as go-katsubushi does. Our own fields follow.
 """
 
 from __future__ import annotations
@@ -11,20 +12,18 @@ import os
 import time
 from collections.abc import Callable
 
-from .generator import Generator
-from .layout import format_time
+from ..ids.layout import format_time
+from ..issuing.issuer import Issuer
 
 
 class Stats:
     """Plain counters: the event loop is single-threaded, so no locking is needed."""
 
     __slots__ = (
-        "cmd_get",
         "curr_connections",
         "extra",
-        "get_hits",
-        "get_misses",
         "idle_timeout",
+        "issuer",
         "max_connections",
         "pid",
         "rejected_connections",
@@ -33,23 +32,23 @@ class Stats:
         "version",
     )
 
-    def __init__(self, version: str, max_connections: int = 0, idle_timeout: float = 0.0) -> None:
+    def __init__(self, issuer: Issuer, max_connections: int = 0, idle_timeout: float = 0.0) -> None:
+        self.issuer = issuer
         self.pid = os.getpid()
         self.started = time.monotonic()
-        self.version = version
+        self.version = issuer.version
         self.max_connections = max_connections
         self.idle_timeout = idle_timeout
         self.curr_connections = 0
         self.total_connections = 0
         self.rejected_connections = 0
-        self.cmd_get = 0
-        self.get_hits = 0
-        self.get_misses = 0
         # More fields from elsewhere (the Redis lease), appended after ours.
         self.extra: Callable[[], list[tuple[str, object]]] | None = None
 
-    def fields(self, generator: Generator) -> list[tuple[str, object]]:
+    def fields(self) -> list[tuple[str, object]]:
+        generator = self.issuer.generator
         layout = generator.layout
+        cmd_get, get_hits, get_misses = self.issuer.totals()
         return [
             # go-katsubushi's nine, in its order.
             ("pid", self.pid),
@@ -58,9 +57,9 @@ class Stats:
             ("version", self.version),
             ("curr_connections", self.curr_connections),
             ("total_connections", self.total_connections),
-            ("cmd_get", self.cmd_get),
-            ("get_hits", self.get_hits),
-            ("get_misses", self.get_misses),
+            ("cmd_get", cmd_get),
+            ("get_hits", get_hits),
+            ("get_misses", get_misses),
             # ours
             ("worker_id", generator.worker_id),
             ("layout", layout.describe()),
@@ -76,8 +75,3 @@ class Stats:
             ("idle_timeout", int(self.idle_timeout)),
             *(self.extra() if self.extra is not None else ()),
         ]
-
-    def render(self, generator: Generator) -> bytes:
-        lines = [f"STAT {name} {value}\r\n" for name, value in self.fields(generator)]
-        lines.append("END\r\n")
-        return "".join(lines).encode()

@@ -3,14 +3,26 @@
 import pytest
 from conftest import FAKE_START_MS, FakeClock, decode, parse_values
 
-from katsubushi_py.generator import Generator
-from katsubushi_py.protocol import MAX_LINE, TextConnection
-from katsubushi_py.stats import Stats
+from katsubushi_py.daemon.stats import Stats
+from katsubushi_py.frontends.text import MAX_LINE, TextConnection
+from katsubushi_py.issuing.generator import Generator
+from katsubushi_py.issuing.issuer import Issuer
+
+
+def text_conn(generator: Generator, version: str = "1", **kwargs: bool) -> TextConnection:
+    """A text connection on an issuer with the daemon's STATS fields, as the daemon wires them."""
+    issuer = Issuer(generator, version)
+    issuer.stats_fields = Stats(issuer).fields
+    return TextConnection(issuer, **kwargs)
+
+
+def totals(conn: TextConnection) -> tuple[int, int, int]:
+    return conn._issuer.totals()
 
 
 @pytest.fixture
 def conn(clock: FakeClock) -> TextConnection:
-    return TextConnection(Generator(9, clock=clock), Stats("9.9.9"))
+    return text_conn(Generator(9, clock=clock), "9.9.9")
 
 
 def test_get_one_key(conn: TextConnection) -> None:
@@ -71,10 +83,9 @@ def test_errors_keep_the_connection(conn: TextConnection, line: bytes) -> None:
 
 def test_get_without_key_counts_a_command_but_no_id(conn: TextConnection) -> None:
     conn.receive(b"GET\r\n")
-    stats = conn._stats
-    assert (stats.cmd_get, stats.get_hits, stats.get_misses) == (1, 0, 0)
+    assert totals(conn) == (1, 0, 0)
     conn.receive(b"GET a b\r\n")
-    assert (stats.cmd_get, stats.get_hits, stats.get_misses) == (2, 2, 0)
+    assert totals(conn) == (2, 2, 0)
 
 
 def test_version_and_stats(conn: TextConnection) -> None:
@@ -156,9 +167,8 @@ def test_overlong_partial_line_is_not_buffered(conn: TextConnection) -> None:
 
 
 def test_generation_failure_is_server_error_without_partial_values(clock: FakeClock) -> None:
-    stats = Stats("1")
     gen = Generator(1, clock=clock)
-    conn = TextConnection(gen, stats)
+    conn = text_conn(gen)
     conn.receive(b"GET a\r\n")
     clock.step_wall_ms(-10_000)
     gen.reanchor()
@@ -167,12 +177,12 @@ def test_generation_failure_is_server_error_without_partial_values(clock: FakeCl
         == b"SERVER_ERROR clock moved backwards by 10000 ms (more than the 1000 ms we may wait)\r\n"
     )
     assert conn.receive(b"GET a\r\n").startswith(b"SERVER_ERROR clock moved backwards")
-    assert (stats.cmd_get, stats.get_hits, stats.get_misses) == (3, 1, 2)
+    assert totals(conn) == (3, 1, 2)
     assert not conn.closing
 
 
 def test_gets_cas_option_adds_the_id_as_cas(clock: FakeClock) -> None:
-    conn = TextConnection(Generator(1, clock=clock), Stats("1"), gets_cas=True)
+    conn = text_conn(Generator(1, clock=clock), gets_cas=True)
     lines = conn.receive(b"gets a b\r\n").split(b"\r\n")
     assert lines[0].split()[:4] == [b"VALUE", b"a", b"0", b"19"] and lines[0].split()[4] == lines[1]
     assert lines[2].split()[4] == lines[3] and lines[4:] == [b"END", b""]

@@ -13,6 +13,7 @@ With a state file, a restart after the clock stepped back cannot reissue either:
 
 from __future__ import annotations
 
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -20,20 +21,22 @@ from itertools import islice
 from operator import length_hint
 from typing import Protocol
 
+from ..ids.layout import DEFAULT_LAYOUT, Layout, format_time, ms_to_datetime
 from .errors import (
     ClockMovedBackwardsError,
+    ClockWait,
     GenerationError,
     GeneratorClosedError,
     LayoutExhaustedError,
     LeaseNotConfirmedError,
     StateFileError,
 )
-from .layout import DEFAULT_LAYOUT, Layout, format_time, ms_to_datetime
 from .statefile import StateFile
 
 __all__ = [
     "Clock",
     "ClockMovedBackwardsError",
+    "ClockWait",
     "GenerationError",
     "Generator",
     "GeneratorClosedError",
@@ -47,6 +50,14 @@ __all__ = [
 # tens of microseconds, which at the end of a millisecond would cost a tenth of the format's ceiling.
 _SPIN_BELOW_NS = 200_000
 _SLEEP_MARGIN_NS = 100_000
+
+# A generator made with block_on_clock=False still blocks for waits this short (the same order as a
+# used-up millisecond); longer ones raise ClockWait so the caller can wait without blocking its thread.
+_BLOCK_AT_MOST_NS = 2_000_000
+
+#: True on a free-threaded CPython (3.13t and later) running without the GIL. The lock-free fast path
+#: relies on the GIL making ``next()`` of a shared iterator atomic; without it every ID takes the lock.
+FREE_THREADED = not getattr(sys, "_is_gil_enabled", lambda: True)()
 
 
 class Clock(Protocol):
@@ -93,6 +104,8 @@ class Generator:
         state_file: str | StateFile | None = None,
         reserve_window: float = 2.0,
         max_start_wait: float | None = None,
+        block_on_clock: bool = True,
+        free_threaded: bool = FREE_THREADED,
     ) -> None:
         layout.check_worker_id(worker_id)
         if max_backwards_wait < 0:
@@ -110,9 +123,16 @@ class Generator:
         self._epoch_ms = layout.epoch_ms
         self._max_backwards_ms = int(max_backwards_wait * 1000)
         self._reserve_ms = max(1, int(reserve_window * 1000))
+        self._block_on_clock = block_on_clock
         self.clock_backwards_events = 0
         self.sequence_overflow_waits = 0
+        self._behind_counted = -1  # the last millisecond a backwards event was counted against
         self._closed = False
+        # The last state-file write that failed (None once one succeeds): health checks report it.
+        self.state_error: StateFileError | None = None
+        if free_threaded:
+            # Without the GIL, taking from the shared bucket is not atomic: every ID takes the lock.
+            self.next_id = self._next_id_locked  # type: ignore[method-assign]
         self._anchor()
         # The bucket: offset (ms since the layout's epoch) of the last millisecond handed out, the
         # iterator over its unused IDs, and the monotonic ns at which it ends (-1: always refill).
@@ -142,6 +162,10 @@ class Generator:
     def _now(self) -> int:
         return self._anchor_off + (self._mono() - self._anchor_mono) // 1_000_000
 
+    def _offset_at(self, mono: int) -> int:
+        """The millisecond (offset from the epoch) that a monotonic reading falls in."""
+        return self._anchor_off + (mono - self._anchor_mono) // 1_000_000
+
     def now_ms(self) -> int:
         """The generator's idea of now, in unix ms."""
         return self._now() + self._epoch_ms
@@ -158,13 +182,14 @@ class Generator:
             self._bucket_end_ns = -1
 
     def _wait_until(self, target: int) -> int:
-        """Block until the clock reads ``target`` (an offset) or later; return the reading."""
+        """Block until the clock reads ``target`` (an offset) or later; return the monotonic reading
+        that showed it (one reading: the caller derives the millisecond and checks the fence from it)."""
         sleep = self._clock.sleep
         while True:
-            now = self._now()
-            if now >= target:
-                return now
-            remaining = (target - self._anchor_off) * 1_000_000 + self._anchor_mono - self._mono()
+            mono = self._mono()
+            if self._offset_at(mono) >= target:
+                return mono
+            remaining = (target - self._anchor_off) * 1_000_000 + self._anchor_mono - mono
             if remaining > _SPIN_BELOW_NS:
                 sleep((remaining - _SLEEP_MARGIN_NS) / 1e9)
             else:
@@ -186,7 +211,7 @@ class Generator:
                     f" (more than the {max_start_wait:g} s we may wait): IDs up to that time may already"
                     " have been issued; fix the clock or wait"
                 )
-            self._wait_until(mark_off + 1)
+            self._wait_until(mark_off + 1)  # bounded above; at start-up nothing else runs yet
         # Everything up to and including the mark's millisecond counts as issued.
         self._last = mark_off
         self._reserved = mark_off
@@ -200,7 +225,12 @@ class Generator:
         if self._state is None:
             return
         reserved = min(now + self._reserve_ms, self.layout.max_time_ms)
-        self._state.store(reserved + self._epoch_ms, self.worker_id)
+        try:
+            self._state.store(reserved + self._epoch_ms, self.worker_id)
+        except StateFileError as exc:
+            self.state_error = exc
+            raise
+        self.state_error = None
         self._reserved = reserved
         self.high_water_ms = reserved + self._epoch_ms
         self._limit = min(reserved, self.layout.max_time_ms)
@@ -208,28 +238,46 @@ class Generator:
     # -- issuing ---------------------------------------------------------------------------------
     def _refill(self) -> None:
         """With the lock held: make the bucket hold unused IDs of the current millisecond, waiting
-        (bounded) when the last one is used up or the clock is behind. Reads the clock once unless
-        it has to wait."""
+        (bounded) when the last one is used up or the clock is behind.
+
+        One monotonic reading decides both whether the lease fence allows issuing and which
+        millisecond the bucket is for, so a pause anywhere (GC, SIGSTOP, a VM freeze) cannot slip a
+        bucket past the fence; after any wait the fence is checked again against the reading that
+        ended the wait, and the bucket never outlives the fence.
+        """
         if self._closed:
             raise GeneratorClosedError("generator is closed")
         fence = self._fence_ns
-        if fence is not None and self._mono() >= fence:
+        mono = self._mono()
+        if fence is not None and mono >= fence:
             raise LeaseNotConfirmedError()
-        now = self._now()
+        now = self._offset_at(mono)
         last = self._last
         if now == last and length_hint(self._bucket) > 0:
             return  # another thread refilled it, or this millisecond still has IDs
         if now < last:
-            self.clock_backwards_events += 1
             gap = last - now
+            if self._behind_counted != last:
+                self._behind_counted = last
+                self.clock_backwards_events += 1
             if gap > self._max_backwards_ms:
                 raise ClockMovedBackwardsError(
                     f"clock moved backwards by {gap} ms (more than the {self._max_backwards_ms} ms we may wait)"
                 )
-            now = self._wait_until(last + 1)
+            if not self._block_on_clock:
+                wait_ns = (last + 1 - self._anchor_off) * 1_000_000 + self._anchor_mono - mono
+                if wait_ns > _BLOCK_AT_MOST_NS:
+                    raise ClockWait(wait_ns / 1e9)
+            mono = self._wait_until(last + 1)
         elif now == last:
             self.sequence_overflow_waits += 1
-            now = self._wait_until(last + 1)
+            mono = self._wait_until(last + 1)
+        else:
+            mono = -1  # no wait: the reading above stands
+        if mono >= 0:
+            if fence is not None and mono >= fence:
+                raise LeaseNotConfirmedError()
+            now = self._offset_at(mono)
         if now > self._limit:
             self._cross_limit(now)
         base = (now << self._time_shift) | self._worker_part
@@ -253,6 +301,17 @@ class Generator:
                 except StopIteration:  # drained by other threads between refill and here
                     continue
 
+    def _next_id_locked(self) -> int:
+        """:meth:`next_id` for free-threaded CPython: the same steps, every one under the lock."""
+        with self._lock:
+            if self._mono() < self._bucket_end_ns:
+                for id_ in self._bucket:
+                    return id_
+            while True:
+                self._refill()
+                for id_ in self._bucket:
+                    return id_
+
     def next_ids(self, n: int) -> list[int]:
         """``n`` increasing IDs: one clock reading per millisecond, consecutive sequence numbers."""
         if n <= 0:
@@ -268,6 +327,30 @@ class Generator:
                 self._refill()
                 out.extend(islice(self._bucket, n - len(out)))
             return out
+
+    def check(self) -> GenerationError | None:
+        """Why no ID could be issued right now, without issuing one (None: one could). For health
+        checks. A failing state file is retried here, so a probe sees recovery without traffic."""
+        with self._lock:
+            if self._closed:
+                return GeneratorClosedError("generator is closed")
+            mono = self._mono()
+            if self._fence_ns is not None and mono >= self._fence_ns:
+                return LeaseNotConfirmedError()
+            now = self._offset_at(mono)
+            if now > self.layout.max_time_ms:
+                return LayoutExhaustedError(f"layout {self.layout.describe()} ran out of time bits")
+            gap = self._last - now
+            if gap > self._max_backwards_ms:
+                return ClockMovedBackwardsError(
+                    f"clock moved backwards by {gap} ms (more than the {self._max_backwards_ms} ms we may wait)"
+                )
+            if self.state_error is not None:
+                try:
+                    self._cross_limit(max(now, self._last + 1))
+                except GenerationError as exc:
+                    return exc
+            return None
 
     # -- leased worker ids -----------------------------------------------------------------------
     def set_fence(self, deadline_ns: int | None) -> None:

@@ -9,17 +9,22 @@ are echoed byte for byte. Where katsubushi is wrong we are not: a whitespace-onl
 ``ERROR`` (it kills the Go daemon), an overlong line answers ``CLIENT_ERROR line too long`` before the
 close (Go resets silently), and a generation failure is ``SERVER_ERROR <reason>`` (Go says ``ERROR``).
 
+IDs come from the :class:`~katsubushi_py.issuing.issuer.Issuer`. When the clock is a little behind,
+the command that needs an ID is not answered yet: :attr:`TextConnection.wait` says for how long, the
+rest of the input is kept in order, and :meth:`TextConnection.resume` carries on from that command.
+
 Buffer cost: at most ``max_line`` bytes are held between calls (64 KiB by default, as katsubushi),
-plus the bytes of the current call. A reply is at most about 30 bytes per key of the input.
+plus the bytes of the current call; while a command waits for the clock, also what arrived after it
+in the same read (the server stops reading meanwhile). A reply is at most about 30 bytes per key of
+the input.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
-from .errors import GenerationError
-from .generator import Generator
-from .stats import Stats
+from ..issuing.errors import ClockWait
+from ..issuing.issuer import Issuer
 
 #: katsubushi serves lines of up to 65,536 bytes including the LF, and drops longer ones.
 MAX_LINE = 65_536
@@ -53,39 +58,48 @@ def format_values(tokens: list[bytes], ids: list[int]) -> bytes:
     return b"".join(parts)
 
 
-def _server_error(exc: BaseException) -> bytes:
-    text = " ".join(str(exc).split()) or type(exc).__name__
-    return b"SERVER_ERROR " + text.encode("ascii", "replace") + b"\r\n"
+def server_error(message: str) -> bytes:
+    return b"SERVER_ERROR " + message.encode("ascii", "replace") + b"\r\n"
+
+
+def render_stats(fields: list[tuple[str, object]]) -> bytes:
+    lines = [f"STAT {name} {value}\r\n" for name, value in fields]
+    lines.append("END\r\n")
+    return "".join(lines).encode()
 
 
 class TextConnection:
     """One client's side of the conversation.
 
     After :meth:`receive`, ``closing`` says the server must close once the reply is written (QUIT,
-    or an overlong line), and ``commands`` counts complete lines seen so far (the idle timer uses it).
+    or an overlong line); ``wait`` (seconds, 0 when not waiting) says a command is waiting for the
+    clock and :meth:`resume` must be called after that long, with no new input meanwhile;
+    ``activity`` counts complete lines seen so far (the idle timer uses it).
     """
 
     __slots__ = (
         "_buffer",
         "_commands",
+        "_counters",
         "_fast_get",
-        "_generator",
+        "_issuer",
         "_max_line",
         "_next_id",
-        "_stats",
         "_version",
+        "activity",
         "closing",
-        "commands",
+        "wait",
     )
 
-    def __init__(self, generator: Generator, stats: Stats, *, max_line: int = MAX_LINE, gets_cas: bool = False) -> None:
-        self._generator = generator
-        self._stats = stats
+    def __init__(self, issuer: Issuer, *, max_line: int = MAX_LINE, gets_cas: bool = False) -> None:
+        self._issuer = issuer
+        self._counters = issuer.counters("text")
         self._max_line = max_line
         self._buffer = b""
-        self._version = b"VERSION " + stats.version.encode() + b"\r\n"
+        self._version = b"VERSION " + issuer.version.encode() + b"\r\n"
         self.closing = False
-        self.commands = 0
+        self.wait = 0.0
+        self.activity = 0
         handlers: dict[bytes, Callable[[list[bytes]], bytes | None]] = {
             b"get": self._get,
             b"gets": self._gets_with_cas if gets_cas else self._get,
@@ -96,11 +110,14 @@ class TextConnection:
         # The two usual spellings are looked up directly; anything else is lower-cased first.
         self._commands = {**handlers, **{name.upper(): h for name, h in handlers.items()}}
         self._fast_get = frozenset((b"get", b"GET") if gets_cas else (b"get", b"GET", b"gets", b"GETS"))
-        self._next_id = generator.next_id
+        self._next_id = issuer.next_id
 
     def receive(self, data: bytes) -> bytes:
         """Take newly arrived bytes; return the reply to everything complete in them."""
         if self._buffer:
+            if self.wait:  # a command is waiting for the clock: keep the order, answer nothing yet
+                self._buffer += data
+                return b""
             data = self._buffer + data
             self._buffer = b""
         elif self.closing:
@@ -110,11 +127,14 @@ class TextConnection:
             return self._hold(data)
         if newline == len(data) - 1 and newline < self._max_line:
             # The usual case: exactly one complete command, and most often a one-key GET.
-            self.commands += 1
+            self.activity += 1
             tokens = data.split()
-            if len(tokens) == 2 and tokens[0] in self._fast_get:
-                return self._get_one(tokens[1])
-            return self._tokens(tokens) or b""
+            try:
+                if len(tokens) == 2 and tokens[0] in self._fast_get:
+                    return self._get_one(tokens[1])
+                return self._tokens(tokens) or b""
+            except ClockWait as wait:
+                return self._wait(data, wait, b"")
         out: list[bytes] = []
         start = 0
         fast_get = self._fast_get
@@ -123,19 +143,34 @@ class TextConnection:
                 out.append(LINE_TOO_LONG)
                 self.closing = True
                 return b"".join(out)
-            self.commands += 1
+            self.activity += 1
             tokens = data[start:newline].split()
-            if len(tokens) == 2 and tokens[0] in fast_get:
-                out.append(self._get_one(tokens[1]))
-            else:
-                reply = self._tokens(tokens)
-                if reply is None:  # QUIT: what came after it is not answered
-                    return b"".join(out)
-                out.append(reply)
+            try:
+                if len(tokens) == 2 and tokens[0] in fast_get:
+                    out.append(self._get_one(tokens[1]))
+                else:
+                    reply = self._tokens(tokens)
+                    if reply is None:  # QUIT: what came after it is not answered
+                        return b"".join(out)
+                    out.append(reply)
+            except ClockWait as wait:
+                return self._wait(data[start:], wait, b"".join(out))
             start = newline + 1
             newline = data.find(b"\n", start)
         out.append(self._hold(data[start:]))
         return b"".join(out)
+
+    def resume(self) -> bytes:
+        """After ``wait`` seconds: answer the waiting command and what came after it."""
+        self.wait = 0.0
+        return self.receive(b"") if self._buffer else b""
+
+    def _wait(self, rest: bytes, wait: ClockWait, reply: bytes) -> bytes:
+        """Keep ``rest`` (starting with the waiting command) for :meth:`resume`."""
+        self.activity -= 1  # counted again when the command is taken up
+        self._buffer = rest
+        self.wait = max(wait.seconds, 1e-4)
+        return reply
 
     def _hold(self, rest: bytes) -> bytes:
         """Keep an incomplete line, unless it is already too long to ever be served."""
@@ -156,14 +191,16 @@ class TextConnection:
 
     # -- commands --------------------------------------------------------------------------------
     def _get_one(self, key: bytes) -> bytes:
-        stats = self._stats
-        stats.cmd_get += 1
+        counters = self._counters
+        counters.commands += 1
         try:
             id_ = self._next_id()
-        except GenerationError as exc:
-            stats.get_misses += 1
-            return _server_error(exc)
-        stats.get_hits += 1
+        except ClockWait:
+            counters.commands -= 1
+            raise
+        except Exception as exc:
+            return server_error(self._issuer.failed(counters, exc).message)
+        counters.ids += 1
         if _MIN_19_DIGITS <= id_ < _MAX_19_DIGITS:
             return _ONE_VALUE_19 % (key, id_)
         value = b"%d" % id_
@@ -173,17 +210,13 @@ class TextConnection:
         count = len(tokens) - 1
         if count == 1:
             return self._get_one(tokens[1])
-        stats = self._stats
-        stats.cmd_get += 1  # katsubushi counts the command even when it then fails for lack of a key
         if count == 0:
+            self._counters.commands += 1  # katsubushi counts the command even when it fails for lack of a key
             return ERROR
-        try:
-            ids = self._generator.next_ids(count)
-        except GenerationError as exc:
-            stats.get_misses += 1
-            return _server_error(exc)
-        stats.get_hits += count
-        return format_values(tokens, ids)
+        ids = self._issuer.issue(self._counters, count)
+        if isinstance(ids, list):
+            return format_values(tokens, ids)
+        return server_error(ids.message)
 
     def _gets_with_cas(self, tokens: list[bytes]) -> bytes:
         """GETS as memcached answers it, with a CAS field (the ID itself), for clients such as
@@ -200,7 +233,7 @@ class TextConnection:
         return self._version
 
     def _stats_cmd(self, tokens: list[bytes]) -> bytes:
-        return self._stats.render(self._generator)
+        return render_stats(self._issuer.stats_fields())
 
     def _quit(self, tokens: list[bytes]) -> None:
         self.closing = True

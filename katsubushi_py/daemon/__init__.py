@@ -1,0 +1,1 @@
+"""The asyncio daemon: listeners, per-connection glue, limits, STATS, graceful stop."""

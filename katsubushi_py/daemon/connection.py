@@ -1,0 +1,155 @@
+"""One client connection: thin glue between an asyncio transport and a sans-IO protocol.
+
+The protocol object turns bytes into reply bytes; this class only does what needs the event loop:
+flow control (stop reading from a client that does not read its replies), the idle timeout, the
+connection limit, and waiting for the clock without blocking anyone else (the protocol says how long
+a command must wait; reading pauses meanwhile, so replies stay in order and memory bounded).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import TYPE_CHECKING
+
+from ..frontends.text import TextConnection
+
+if TYPE_CHECKING:
+    from .server import Daemon
+
+log = logging.getLogger("katsubushi_py")
+
+TOO_MANY_CONNECTIONS = b"SERVER_ERROR too many connections\r\n"
+
+
+class ConnectionHandler(asyncio.Protocol):
+    """A memcached connection (text protocol)."""
+
+    __slots__ = (
+        "_conn",
+        "_daemon",
+        "_eof",
+        "_idle_handle",
+        "_last_activity",
+        "_receive",
+        "_transport",
+        "_wait_handle",
+        "_write",
+        "_write_paused",
+    )
+
+    def __init__(self, daemon: Daemon) -> None:
+        self._daemon = daemon
+        self._transport: asyncio.Transport | None = None
+        self._conn: TextConnection | None = None
+        self._idle_handle: asyncio.TimerHandle | None = None
+        self._wait_handle: asyncio.TimerHandle | None = None
+        self._write_paused = False
+        self._eof = False
+        self._last_activity = 0
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        # uvloop's transports do not subclass asyncio.Transport, so no isinstance check here.
+        tcp: asyncio.Transport = transport  # type: ignore[assignment]
+        daemon = self._daemon
+        stats = daemon.stats
+        if len(daemon.connections) >= daemon.config.max_connections or daemon.stopping:
+            stats.rejected_connections += 1
+            tcp.write(TOO_MANY_CONNECTIONS)
+            tcp.close()
+            return
+        self._transport = tcp
+        conn = self._conn = TextConnection(daemon.issuer, gets_cas=daemon.config.gets_cas)
+        # Bound once here rather than looked up on every request.
+        self._receive = conn.receive
+        self._write = tcp.write
+        daemon.connections.add(self)
+        stats.curr_connections += 1
+        stats.total_connections += 1
+        if daemon.config.idle_timeout > 0:
+            self._idle_handle = daemon.loop.call_later(daemon.config.idle_timeout, self._check_idle)
+
+    def data_received(self, data: bytes) -> None:
+        conn = self._conn
+        if conn is None:  # a refused connection: nothing to answer
+            return
+        reply = self._receive(data)
+        if reply:
+            self._write(reply)
+        if conn.closing:
+            self._transport.close()  # type: ignore[union-attr]
+        elif conn.wait:
+            self._wait_for_clock(conn.wait)
+
+    def _wait_for_clock(self, seconds: float) -> None:
+        """A command waits for the clock: read nothing more until it is answered."""
+        if self._wait_handle is None:
+            self._transport.pause_reading()  # type: ignore[union-attr]
+        self._wait_handle = self._daemon.loop.call_later(seconds, self._resume)
+
+    def _resume(self) -> None:
+        self._wait_handle = None
+        conn = self._conn
+        transport = self._transport
+        if conn is None or transport is None or transport.is_closing():
+            return
+        reply = conn.resume()
+        if reply:
+            self._write(reply)
+        if conn.closing or (self._eof and not conn.wait):
+            transport.close()
+        elif conn.wait:
+            self._wait_for_clock(conn.wait)
+        elif not self._write_paused:
+            transport.resume_reading()
+
+    def _check_idle(self) -> None:
+        """Runs once per idle-timeout period, not per request: close only if no command completed
+        since the previous check, otherwise look again one period later."""
+        conn = self._conn
+        transport = self._transport
+        if conn is None or transport is None or transport.is_closing():
+            return
+        if conn.activity == self._last_activity and self._wait_handle is None:
+            log.debug("closing idle connection")
+            transport.close()
+            return
+        self._last_activity = conn.activity
+        self._idle_handle = self._daemon.loop.call_later(self._daemon.config.idle_timeout, self._check_idle)
+
+    def pause_writing(self) -> None:
+        # The client is not reading its replies: stop reading its requests until it catches up.
+        self._write_paused = True
+        if self._transport is not None:
+            self._transport.pause_reading()
+
+    def resume_writing(self) -> None:
+        self._write_paused = False
+        if self._transport is not None and not self._transport.is_closing() and self._wait_handle is None:
+            self._transport.resume_reading()
+
+    def eof_received(self) -> bool:
+        # Close our side too once everything already answered is written. A command still waiting
+        # for the clock keeps the connection half-open until it is answered.
+        self._eof = True
+        return self._wait_handle is not None
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self._idle_handle is not None:
+            self._idle_handle.cancel()
+        if self._wait_handle is not None:
+            self._wait_handle.cancel()
+            self._wait_handle = None
+        if self._conn is not None and self in self._daemon.connections:
+            self._daemon.connections.discard(self)
+            self._daemon.stats.curr_connections -= 1
+            self._daemon.connection_closed()
+        self._conn = None
+
+    def close(self) -> None:
+        if self._transport is not None:
+            self._transport.close()
+
+    def abort(self) -> None:
+        if self._transport is not None:
+            self._transport.abort()
