@@ -22,7 +22,9 @@ the input.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
+from ..compiled import speedups
 from ..issuing.errors import ClockWait
 from ..issuing.issuer import Issuer
 
@@ -68,7 +70,24 @@ def render_stats(fields: list[tuple[str, object]]) -> bytes:
     return "".join(lines).encode()
 
 
-class TextConnection:
+class PyTextCore:
+    """The state the compiled twin (``_speedups.TextCore``) keeps in C, so that its fast path reads it
+    without attribute lookups. Here just slots: the pure-Python :meth:`TextConnection.receive` is the
+    whole protocol."""
+
+    __slots__ = ("_buffer", "activity", "closing", "wait")
+
+    def _fast_init(self, generator: object, counters: object, max_line: int, gets_fast: bool) -> None:
+        """The compiled twin takes complete GET/GETS lines itself when it may; nothing to do here."""
+
+
+if TYPE_CHECKING or speedups is None:
+    _TextCore = PyTextCore
+else:
+    _TextCore = speedups.TextCore
+
+
+class TextConnection(_TextCore):
     """One client's side of the conversation.
 
     After :meth:`receive`, ``closing`` says the server must close once the reply is written (QUIT,
@@ -78,7 +97,6 @@ class TextConnection:
     """
 
     __slots__ = (
-        "_buffer",
         "_commands",
         "_counters",
         "_fast_get",
@@ -86,9 +104,6 @@ class TextConnection:
         "_max_line",
         "_next_id",
         "_version",
-        "activity",
-        "closing",
-        "wait",
     )
 
     def __init__(self, issuer: Issuer, *, max_line: int = MAX_LINE, gets_cas: bool = False) -> None:
@@ -111,9 +126,13 @@ class TextConnection:
         self._commands = {**handlers, **{name.upper(): h for name, h in handlers.items()}}
         self._fast_get = frozenset((b"get", b"GET") if gets_cas else (b"get", b"GET", b"gets", b"GETS"))
         self._next_id = issuer.next_id
+        self._fast_init(issuer.generator, self._counters, max_line, not gets_cas)
 
-    def receive(self, data: bytes) -> bytes:
-        """Take newly arrived bytes; return the reply to everything complete in them."""
+    def _receive_slow(self, data: bytes) -> bytes:
+        """Take newly arrived bytes; return the reply to everything complete in them.
+
+        This is the whole protocol. The compiled twin's ``receive`` answers what it can of the same
+        input exactly as this would, and hands this method the rest."""
         if self._buffer:
             if self.wait:  # a command is waiting for the clock: keep the order, answer nothing yet
                 self._buffer += data
@@ -159,6 +178,9 @@ class TextConnection:
             newline = data.find(b"\n", start)
         out.append(self._hold(data[start:]))
         return b"".join(out)
+
+    if _TextCore is PyTextCore:
+        receive = _receive_slow
 
     def resume(self) -> bytes:
         """After ``wait`` seconds: answer the waiting command and what came after it."""

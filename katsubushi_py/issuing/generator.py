@@ -13,14 +13,11 @@ With a state file, a restart after the clock stepped back cannot reissue either:
 
 from __future__ import annotations
 
-import sys
 import threading
 import time
-from collections.abc import Iterator
-from itertools import islice
-from operator import length_hint
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
+from ..compiled import FREE_THREADED, speedups
 from ..ids.layout import DEFAULT_LAYOUT, Layout, format_time, ms_to_datetime
 from .errors import (
     ClockMovedBackwardsError,
@@ -31,6 +28,7 @@ from .errors import (
     LeaseNotConfirmedError,
     StateFileError,
 )
+from .bucket import PyGeneratorCore
 from .statefile import StateFile
 
 __all__ = [
@@ -55,9 +53,11 @@ _SLEEP_MARGIN_NS = 100_000
 # used-up millisecond); longer ones raise ClockWait so the caller can wait without blocking its thread.
 _BLOCK_AT_MOST_NS = 2_000_000
 
-#: True on a free-threaded CPython (3.13t and later) running without the GIL. The lock-free fast path
-#: relies on the GIL making ``next()`` of a shared iterator atomic; without it every ID takes the lock.
-FREE_THREADED = not getattr(sys, "_is_gil_enabled", lambda: True)()
+# The bucket and the fast path: compiled where built, else the pure-Python reference (same behaviour).
+if TYPE_CHECKING or speedups is None:
+    _GeneratorCore = PyGeneratorCore
+else:
+    _GeneratorCore = speedups.GeneratorCore
 
 
 class Clock(Protocol):
@@ -78,7 +78,7 @@ class SystemClock:
     sleep = staticmethod(time.sleep)
 
 
-class Generator:
+class Generator(_GeneratorCore):
     """Issues IDs for one worker id of one layout.
 
     ``max_backwards_wait`` (seconds) is how far behind the last issued millisecond the clock may be
@@ -86,12 +86,12 @@ class Generator:
     seconds is durably reserved ahead of the IDs issued (one fsync per window, never per ID), and
     ``max_start_wait`` bounds how long the constructor waits for the clock to pass the stored mark.
 
-    How it stays fast and thread-safe: the current millisecond's unused IDs are a ``range`` iterator
-    (the "bucket"), and the monotonic-clock instant at which that millisecond ends is kept in ns.
-    ``next_id`` compares one clock reading with that instant and takes the next value from the
-    iterator; taking from an iterator is a single atomic step under the GIL, so that path needs no
-    lock. Everything else (a new millisecond, a used-up one, a clock behind, a state-file
-    reservation) happens under a lock in :meth:`_refill`.
+    How it stays fast and thread-safe: the current millisecond's unused IDs are the "bucket"
+    (:mod:`.bucket`, compiled where built), valid until the monotonic instant at which that
+    millisecond ends (or the lease fence, if sooner). ``next_id`` compares one clock reading with that
+    instant and takes the next ID, atomically under the GIL and without a lock. Everything else (a
+    new millisecond, a used-up one, a clock behind, a state-file reservation) happens under a lock in
+    :meth:`_refill`. On a free-threaded CPython every ID takes the lock.
     """
 
     def __init__(
@@ -116,6 +116,7 @@ class Generator:
         self.worker_id = worker_id
         self._clock = clock or SystemClock()
         self._mono = self._clock.monotonic_ns
+        self._use_clock(None if self._mono is time.monotonic_ns else self._mono)
         self._lock = threading.Lock()
         self._time_shift = layout.time_shift
         self._worker_part = worker_id << layout.worker_shift
@@ -134,11 +135,10 @@ class Generator:
             # Without the GIL, taking from the shared bucket is not atomic: every ID takes the lock.
             self.next_id = self._next_id_locked  # type: ignore[method-assign]
         self._anchor()
-        # The bucket: offset (ms since the layout's epoch) of the last millisecond handed out, the
-        # iterator over its unused IDs, and the monotonic ns at which it ends (-1: always refill).
+        # Offset (ms since the layout's epoch) of the last millisecond handed out; its unused IDs are
+        # the bucket, valid until _bucket_end_ns (-1: refill first).
         self._last = -1
-        self._bucket: Iterator[int] = iter(())
-        self._bucket_end_ns = -1
+        self._drop_bucket()
         # With a leased worker id: IDs may be issued only while the monotonic clock is before this.
         self._fence_ns: int | None = None
         self._state: StateFile | None = None
@@ -253,7 +253,7 @@ class Generator:
             raise LeaseNotConfirmedError()
         now = self._offset_at(mono)
         last = self._last
-        if now == last and length_hint(self._bucket) > 0:
+        if now == last and self._bucket_left() > 0:
             return  # another thread refilled it, or this millisecond still has IDs
         if now < last:
             gap = last - now
@@ -282,51 +282,45 @@ class Generator:
             self._cross_limit(now)
         base = (now << self._time_shift) | self._worker_part
         self._last = now
-        self._bucket = iter(range(base, base + self._bucket_size))
         end = self._anchor_mono + (now + 1 - self._anchor_off) * 1_000_000
-        self._bucket_end_ns = end if fence is None else min(end, fence)
+        self._set_bucket(base, self._bucket_size, end if fence is None else min(end, fence))
 
-    def next_id(self) -> int:
-        """One ID, greater than every ID this generator issued before."""
-        if self._mono() < self._bucket_end_ns:
-            try:
-                return next(self._bucket)
-            except StopIteration:
-                pass
+    def _next_id_slow(self) -> int:
+        """:meth:`next_id` when the bucket is used up or no longer valid."""
         with self._lock:
             while True:
                 self._refill()
-                try:
-                    return next(self._bucket)
-                except StopIteration:  # drained by other threads between refill and here
-                    continue
+                id_ = self._take()
+                if id_ is not None:
+                    return id_
+                # drained by other threads between refill and here: refill again
 
     def _next_id_locked(self) -> int:
         """:meth:`next_id` for free-threaded CPython: the same steps, every one under the lock."""
         with self._lock:
             if self._mono() < self._bucket_end_ns:
-                for id_ in self._bucket:
+                id_ = self._take()
+                if id_ is not None:
                     return id_
             while True:
                 self._refill()
-                for id_ in self._bucket:
+                id_ = self._take()
+                if id_ is not None:
                     return id_
 
-    def next_ids(self, n: int) -> list[int]:
+    def _next_ids_slow(self, n: int) -> list[int]:
         """``n`` increasing IDs: one clock reading per millisecond, consecutive sequence numbers."""
         if n <= 0:
             return []
         with self._lock:
-            if self._mono() < self._bucket_end_ns:
-                out = list(islice(self._bucket, n))
-                if len(out) == n:
-                    return out
-            else:
-                out = []
+            out = self._take_many(n) if self._mono() < self._bucket_end_ns else []
             while len(out) < n:
                 self._refill()
-                out.extend(islice(self._bucket, n - len(out)))
+                out.extend(self._take_many(n - len(out)))
             return out
+
+    if _GeneratorCore is PyGeneratorCore:
+        next_ids = _next_ids_slow  # the pure core has no faster path: save it a call
 
     def check(self) -> GenerationError | None:
         """Why no ID could be issued right now, without issuing one (None: one could). For health
@@ -369,8 +363,7 @@ class Generator:
             self.worker_id = worker_id
             self._worker_part = worker_id << self.layout.worker_shift
             self._last = max(self._last, after_unix_ms - self._epoch_ms)
-            self._bucket = iter(())
-            self._bucket_end_ns = -1
+            self._drop_bucket()
 
     # -- lifecycle -------------------------------------------------------------------------------
     @property
@@ -385,8 +378,7 @@ class Generator:
             if self._closed:
                 return
             self._closed = True
-            self._bucket_end_ns = -1
-            self._bucket = iter(())
+            self._drop_bucket()
             if self._state is not None and self._last >= 0:
                 self._state.store(self._last + self._epoch_ms, self.worker_id)
                 self.high_water_ms = self._last + self._epoch_ms

@@ -26,8 +26,9 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
+from ..compiled import speedups
 from .errors import ClockWait, GenerationError
 from .generator import Generator
 
@@ -47,9 +48,10 @@ class Failure(NamedTuple):
     message: str
 
 
-class Counters:
-    """One protocol's counters. Plain attributes: the event loop is one thread, and front ends in
-    other threads (gRPC) go through :meth:`Issuer.issue`, which takes a lock."""
+class PyCounters:
+    """One protocol's counters. Plain attributes: the event loop is one thread, and a front end in
+    another thread (gRPC) has counters of its own. ``_speedups.Counters`` is the compiled twin (C
+    integers, so the compiled text path counts without touching Python objects)."""
 
     __slots__ = ("commands", "failures", "ids", "protocol")
 
@@ -58,6 +60,12 @@ class Counters:
         self.commands = 0  # requests for IDs (GET/GETS lines, binary GETs, /id, Fetch, ...)
         self.ids = 0  # IDs issued
         self.failures: dict[str, int] = {}  # requests that got no IDs, by reason
+
+
+if TYPE_CHECKING or speedups is None:
+    Counters = PyCounters
+else:
+    Counters = speedups.Counters
 
 
 class Issuer:

@@ -1,0 +1,810 @@
+/*
+ * katsubushi_py._speedups: the compiled twin of the hot path.
+ *
+ * Three small types, each the C twin of a pure-Python class that stays the reference and runs
+ * wherever this module is not built or KATSUBUSHI_NO_EXTENSIONS=1 is set:
+ *
+ *   GeneratorCore  twin of issuing/bucket.py PyGeneratorCore: the current millisecond's unused IDs
+ *                  (next .. stop), valid until the monotonic instant end_ns. Taking an ID is a clock
+ *                  read, a comparison and an increment, atomic because the GIL is held throughout.
+ *                  Anything else (a new millisecond, the fence, the state file, waiting) is the
+ *                  Python generator's _refill, reached through _next_id_slow / _next_ids_slow.
+ *   Counters       twin of issuing/issuer.py PyCounters: commands and IDs as C integers.
+ *   TextCore       twin of the fast cases of frontends/text.py TextConnection.receive: complete
+ *                  GET/GETS lines whose IDs are all in the current bucket. At the first line it does
+ *                  not take (any other command, a partial line, a used-up bucket, a held buffer, a
+ *                  waiting or closing connection) it hands the rest to the Python _receive_slow,
+ *                  so every byte of behaviour that is not the fast path is the Python code's.
+ *
+ * The rule that keeps the twins identical: C only ever does what the Python code would do for the
+ * same input in the same state, and gives up (to Python) whenever it would have to decide anything
+ * else. tests/test_speedups.py compares the two byte for byte on generated input.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <structmember.h>
+#include <string.h>
+#include <time.h>
+
+static PyObject *str_next_id_slow, *str_next_ids_slow, *str_receive_slow;
+
+/* ------------------------------------------------------------------------------------------------ */
+/* GeneratorCore                                                                                     */
+
+typedef struct {
+    PyObject_HEAD
+    long long next;   /* next unused ID of the bucket */
+    long long stop;   /* one past the bucket's last ID */
+    long long end_ns; /* monotonic ns at which the bucket stops being valid; -1: never valid */
+    PyObject *mono_fn; /* NULL: CLOCK_MONOTONIC (what time.monotonic_ns reads); else an injected clock */
+    /* The decimal text of the last ID formatted (digits_of; -1: none), so that the next consecutive
+     * one is a count up, not 19 divisions. */
+    long long digits_of;
+    int ndigits;
+    char digits[24];
+} GenCore;
+
+static int
+gen_now(GenCore *self, long long *out)
+{
+    if (self->mono_fn == NULL) {
+        struct timespec ts;
+        clock_gettime(CLOCK_MONOTONIC, &ts);
+        *out = (long long)ts.tv_sec * 1000000000LL + ts.tv_nsec;
+        return 0;
+    }
+    PyObject *r = PyObject_CallNoArgs(self->mono_fn);
+    if (r == NULL)
+        return -1;
+    *out = PyLong_AsLongLong(r);
+    Py_DECREF(r);
+    if (*out == -1 && PyErr_Occurred())
+        return -1;
+    return 0;
+}
+
+/* 1 if the bucket is valid now and holds at least k IDs, 0 if not, -1 on error. */
+static int
+gen_has(GenCore *self, long long k)
+{
+    long long now;
+    if (self->stop - self->next < k)
+        return 0;
+    if (gen_now(self, &now) < 0)
+        return -1;
+    return now < self->end_ns;
+}
+
+static PyObject *
+GenCore_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
+{
+    GenCore *self = (GenCore *)type->tp_alloc(type, 0);
+    if (self != NULL) {
+        self->next = self->stop = 0;
+        self->end_ns = -1;
+        self->mono_fn = NULL;
+        self->digits_of = -1;
+    }
+    return (PyObject *)self;
+}
+
+static int
+GenCore_traverse(GenCore *self, visitproc visit, void *arg)
+{
+    Py_VISIT(self->mono_fn);
+    Py_VISIT(Py_TYPE(self));
+    return 0;
+}
+
+static int
+GenCore_clear(GenCore *self)
+{
+    Py_CLEAR(self->mono_fn);
+    return 0;
+}
+
+static void
+GenCore_dealloc(GenCore *self)
+{
+    PyTypeObject *tp = Py_TYPE(self);
+    PyObject_GC_UnTrack(self);
+    GenCore_clear(self);
+    tp->tp_free((PyObject *)self);
+    Py_DECREF(tp);
+}
+
+static PyObject *
+GenCore_next_id(GenCore *self, PyObject *Py_UNUSED(ignored))
+{
+    int has = gen_has(self, 1);
+    if (has < 0)
+        return NULL;
+    if (has)
+        return PyLong_FromLongLong(self->next++);
+    return PyObject_CallMethodNoArgs((PyObject *)self, str_next_id_slow);
+}
+
+static PyObject *
+GenCore_next_ids(GenCore *self, PyObject *arg)
+{
+    long long n = PyLong_AsLongLong(arg);
+    if (n == -1 && PyErr_Occurred())
+        return NULL;
+    if (n <= 0)
+        return PyList_New(0);
+    int has = gen_has(self, n);
+    if (has < 0)
+        return NULL;
+    if (!has)
+        return PyObject_CallMethodOneArg((PyObject *)self, str_next_ids_slow, arg);
+    PyObject *list = PyList_New((Py_ssize_t)n);
+    if (list == NULL)
+        return NULL;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *v = PyLong_FromLongLong(self->next + i);
+        if (v == NULL) {
+            Py_DECREF(list);
+            return NULL;
+        }
+        PyList_SET_ITEM(list, i, v);
+    }
+    self->next += n;
+    return list;
+}
+
+static PyObject *
+GenCore_take(GenCore *self, PyObject *Py_UNUSED(ignored))
+{
+    if (self->next < self->stop)
+        return PyLong_FromLongLong(self->next++);
+    Py_RETURN_NONE;
+}
+
+static PyObject *
+GenCore_take_many(GenCore *self, PyObject *arg)
+{
+    long long k = PyLong_AsLongLong(arg);
+    if (k == -1 && PyErr_Occurred())
+        return NULL;
+    long long left = self->stop - self->next;
+    if (k > left)
+        k = left;
+    if (k < 0)
+        k = 0;
+    PyObject *list = PyList_New((Py_ssize_t)k);
+    if (list == NULL)
+        return NULL;
+    for (Py_ssize_t i = 0; i < k; i++) {
+        PyObject *v = PyLong_FromLongLong(self->next + i);
+        if (v == NULL) {
+            Py_DECREF(list);
+            return NULL;
+        }
+        PyList_SET_ITEM(list, i, v);
+    }
+    self->next += k;
+    return list;
+}
+
+static PyObject *
+GenCore_set_bucket(GenCore *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    long long base, count, end;
+    if (nargs != 3) {
+        PyErr_SetString(PyExc_TypeError, "_set_bucket(base, count, end_ns)");
+        return NULL;
+    }
+    base = PyLong_AsLongLong(args[0]);
+    count = PyLong_AsLongLong(args[1]);
+    end = PyLong_AsLongLong(args[2]);
+    if (PyErr_Occurred())
+        return NULL;
+    /* Order matters for nothing here: the GIL is held, no other thread sees a half-set bucket. */
+    self->next = base;
+    self->stop = base + count;
+    self->end_ns = end;
+    Py_RETURN_NONE;
+}
+
+static PyObject *
+GenCore_drop_bucket(GenCore *self, PyObject *Py_UNUSED(ignored))
+{
+    self->next = self->stop = 0;
+    self->end_ns = -1;
+    Py_RETURN_NONE;
+}
+
+static PyObject *
+GenCore_bucket_left(GenCore *self, PyObject *Py_UNUSED(ignored))
+{
+    return PyLong_FromLongLong(self->stop > self->next ? self->stop - self->next : 0);
+}
+
+static PyObject *
+GenCore_use_clock(GenCore *self, PyObject *fn)
+{
+    if (fn == Py_None) {
+        Py_CLEAR(self->mono_fn);
+    } else {
+        Py_INCREF(fn);
+        Py_XSETREF(self->mono_fn, fn);
+    }
+    Py_RETURN_NONE;
+}
+
+static PyObject *
+GenCore_get_end(GenCore *self, void *closure)
+{
+    return PyLong_FromLongLong(self->end_ns);
+}
+
+static int
+GenCore_set_end(GenCore *self, PyObject *value, void *closure)
+{
+    if (value == NULL) {
+        PyErr_SetString(PyExc_AttributeError, "cannot delete _bucket_end_ns");
+        return -1;
+    }
+    long long v = PyLong_AsLongLong(value);
+    if (v == -1 && PyErr_Occurred())
+        return -1;
+    self->end_ns = v;
+    return 0;
+}
+
+static PyMethodDef GenCore_methods[] = {
+    {"next_id", (PyCFunction)GenCore_next_id, METH_NOARGS, "One ID, greater than every ID issued before."},
+    {"next_ids", (PyCFunction)GenCore_next_ids, METH_O, "n increasing IDs."},
+    {"_take", (PyCFunction)GenCore_take, METH_NOARGS, NULL},
+    {"_take_many", (PyCFunction)GenCore_take_many, METH_O, NULL},
+    {"_set_bucket", (PyCFunction)(void (*)(void))GenCore_set_bucket, METH_FASTCALL, NULL},
+    {"_drop_bucket", (PyCFunction)GenCore_drop_bucket, METH_NOARGS, NULL},
+    {"_bucket_left", (PyCFunction)GenCore_bucket_left, METH_NOARGS, NULL},
+    {"_use_clock", (PyCFunction)GenCore_use_clock, METH_O, NULL},
+    {NULL},
+};
+
+static PyGetSetDef GenCore_getset[] = {
+    {"_bucket_end_ns", (getter)GenCore_get_end, (setter)GenCore_set_end, NULL, NULL},
+    {NULL},
+};
+
+static PyType_Slot GenCore_slots[] = {
+    {Py_tp_new, GenCore_new},
+    {Py_tp_dealloc, GenCore_dealloc},
+    {Py_tp_traverse, GenCore_traverse},
+    {Py_tp_clear, GenCore_clear},
+    {Py_tp_methods, GenCore_methods},
+    {Py_tp_getset, GenCore_getset},
+    {Py_tp_doc, "The generator's bucket and fast path (compiled twin of PyGeneratorCore)."},
+    {0, NULL},
+};
+
+static PyType_Spec GenCore_spec = {
+    "katsubushi_py._speedups.GeneratorCore",
+    sizeof(GenCore),
+    0,
+    Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE | Py_TPFLAGS_HAVE_GC,
+    GenCore_slots,
+};
+
+/* ------------------------------------------------------------------------------------------------ */
+/* Counters                                                                                          */
+
+typedef struct {
+    PyObject_HEAD
+    long long commands;
+    long long ids;
+    PyObject *failures; /* dict: reason -> count */
+    PyObject *protocol; /* str */
+} Counters;
+
+static PyObject *
+Counters_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
+{
+    static char *kwlist[] = {"protocol", NULL};
+    PyObject *protocol;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "U", kwlist, &protocol))
+        return NULL;
+    Counters *self = (Counters *)type->tp_alloc(type, 0);
+    if (self == NULL)
+        return NULL;
+    self->failures = PyDict_New();
+    if (self->failures == NULL) {
+        Py_DECREF(self);
+        return NULL;
+    }
+    Py_INCREF(protocol);
+    self->protocol = protocol;
+    return (PyObject *)self;
+}
+
+static int
+Counters_init(PyObject *self, PyObject *args, PyObject *kwds)
+{
+    return 0; /* everything is done in tp_new */
+}
+
+static int
+Counters_traverse(Counters *self, visitproc visit, void *arg)
+{
+    Py_VISIT(self->failures);
+    Py_VISIT(Py_TYPE(self));
+    return 0;
+}
+
+static int
+Counters_clear(Counters *self)
+{
+    Py_CLEAR(self->failures);
+    Py_CLEAR(self->protocol);
+    return 0;
+}
+
+static void
+Counters_dealloc(Counters *self)
+{
+    PyTypeObject *tp = Py_TYPE(self);
+    PyObject_GC_UnTrack(self);
+    Counters_clear(self);
+    tp->tp_free((PyObject *)self);
+    Py_DECREF(tp);
+}
+
+static PyMemberDef Counters_members[] = {
+    {"commands", T_LONGLONG, offsetof(Counters, commands), 0, "requests for IDs"},
+    {"ids", T_LONGLONG, offsetof(Counters, ids), 0, "IDs issued"},
+    {"failures", T_OBJECT_EX, offsetof(Counters, failures), 0, "requests that got no IDs, by reason"},
+    {"protocol", T_OBJECT_EX, offsetof(Counters, protocol), READONLY, "the protocol counted"},
+    {NULL},
+};
+
+static PyType_Slot Counters_slots[] = {
+    {Py_tp_new, Counters_new},
+    {Py_tp_init, Counters_init},
+    {Py_tp_dealloc, Counters_dealloc},
+    {Py_tp_traverse, Counters_traverse},
+    {Py_tp_clear, Counters_clear},
+    {Py_tp_members, Counters_members},
+    {Py_tp_doc, "One protocol's counters (compiled twin of PyCounters)."},
+    {0, NULL},
+};
+
+static PyType_Spec Counters_spec = {
+    "katsubushi_py._speedups.Counters",
+    sizeof(Counters),
+    0,
+    Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
+    Counters_slots,
+};
+
+/* ------------------------------------------------------------------------------------------------ */
+/* TextCore                                                                                          */
+
+#define MAX_FAST_KEYS 128
+
+typedef struct {
+    PyObject_HEAD
+    /* The sans-IO connection's own state, shared with the Python subclass as attributes. */
+    PyObject *buffer;    /* _buffer: bytes held from earlier reads */
+    char closing;        /* closing */
+    double wait;         /* wait */
+    long long activity;  /* activity */
+    /* Set once by _fast_init. */
+    GenCore *gen;        /* NULL: no fast path */
+    Counters *counters;
+    Py_ssize_t max_line;
+    char gets_fast;      /* GETS is answered exactly like GET (no --gets-cas) */
+} TextCore;
+
+static PyTypeObject *GenCore_Type, *Counters_Type;
+
+static PyObject *
+TextCore_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
+{
+    TextCore *self = (TextCore *)type->tp_alloc(type, 0);
+    if (self != NULL) {
+        self->buffer = PyBytes_FromStringAndSize(NULL, 0);
+        if (self->buffer == NULL) {
+            Py_DECREF(self);
+            return NULL;
+        }
+        self->max_line = 0;
+    }
+    return (PyObject *)self;
+}
+
+static int
+TextCore_traverse(TextCore *self, visitproc visit, void *arg)
+{
+    Py_VISIT(self->gen);
+    Py_VISIT(self->counters);
+    Py_VISIT(Py_TYPE(self));
+    return 0;
+}
+
+static int
+TextCore_clear(TextCore *self)
+{
+    Py_CLEAR(self->buffer);
+    Py_CLEAR(self->gen);
+    Py_CLEAR(self->counters);
+    return 0;
+}
+
+static void
+TextCore_dealloc(TextCore *self)
+{
+    PyTypeObject *tp = Py_TYPE(self);
+    PyObject_GC_UnTrack(self);
+    TextCore_clear(self);
+    tp->tp_free((PyObject *)self);
+    Py_DECREF(tp);
+}
+
+/* _fast_init(generator, counters, max_line, gets_fast): the fast path is used only when the
+ * generator and the counters are the compiled types. */
+static PyObject *
+TextCore_fast_init(TextCore *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 4) {
+        PyErr_SetString(PyExc_TypeError, "_fast_init(generator, counters, max_line, gets_fast)");
+        return NULL;
+    }
+    Py_CLEAR(self->gen);
+    Py_CLEAR(self->counters);
+    if (PyObject_TypeCheck(args[0], GenCore_Type) && PyObject_TypeCheck(args[1], Counters_Type)) {
+        Py_INCREF(args[0]);
+        self->gen = (GenCore *)args[0];
+        Py_INCREF(args[1]);
+        self->counters = (Counters *)args[1];
+    }
+    self->max_line = PyLong_AsSsize_t(args[2]);
+    if (self->max_line == -1 && PyErr_Occurred())
+        return NULL;
+    int gets_fast = PyObject_IsTrue(args[3]);
+    if (gets_fast < 0)
+        return NULL;
+    self->gets_fast = (char)gets_fast;
+    Py_RETURN_NONE;
+}
+
+/* bytes.split()'s whitespace: space, \t, \n, \r, \v, \f */
+static inline int
+is_ws(unsigned char c)
+{
+    return c == ' ' || (c >= '\t' && c <= '\r');
+}
+
+/* Digits of v (>= 0) into out, returns the count. */
+static inline int
+put_digits(char *out, unsigned long long v)
+{
+    char tmp[24];
+    int n = 0;
+    do {
+        tmp[n++] = (char)('0' + v % 10);
+        v /= 10;
+    } while (v);
+    for (int i = 0; i < n; i++)
+        out[i] = tmp[n - 1 - i];
+    return n;
+}
+
+/* The decimal text of ID id into gen->digits (returns its length): a count up from the last one
+ * formatted when id follows it, else formatted afresh. */
+static inline int
+gen_digits(GenCore *gen, long long id)
+{
+    if (id == gen->digits_of + 1 && gen->digits_of >= 0) {
+        int d = gen->ndigits - 1;
+        while (d >= 0 && gen->digits[d] == '9')
+            gen->digits[d--] = '0';
+        if (d >= 0) {
+            gen->digits[d]++;
+            gen->digits_of = id;
+            return gen->ndigits;
+        }
+    } else if (id == gen->digits_of) {
+        return gen->ndigits;
+    }
+    gen->ndigits = put_digits(gen->digits, (unsigned long long)id);
+    gen->digits_of = id;
+    return gen->ndigits;
+}
+
+typedef struct {
+    char *data;
+    Py_ssize_t len, cap;
+    char stack[2048];
+} outbuf;
+
+static int
+out_reserve(outbuf *o, Py_ssize_t more)
+{
+    if (o->len + more <= o->cap)
+        return 0;
+    Py_ssize_t cap = o->cap * 2;
+    while (cap < o->len + more)
+        cap *= 2;
+    char *p;
+    if (o->data == o->stack) {
+        p = PyMem_Malloc(cap);
+        if (p != NULL)
+            memcpy(p, o->stack, o->len);
+    } else {
+        p = PyMem_Realloc(o->data, cap);
+    }
+    if (p == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    o->data = p;
+    o->cap = cap;
+    return 0;
+}
+
+static void
+out_free(outbuf *o)
+{
+    if (o->data != o->stack)
+        PyMem_Free(o->data);
+}
+
+/* Try to answer one line [p, end) (without its LF) as a GET the fast path may take. Returns 1 if
+ * answered (reply appended), 0 if the line is for Python, -1 on error. */
+static int
+text_fast_line(TextCore *self, const char *p, const char *end, outbuf *out)
+{
+    const char *keys[MAX_FAST_KEYS];
+    Py_ssize_t keylen[MAX_FAST_KEYS];
+    int nkeys = 0;
+
+    while (p < end && is_ws((unsigned char)*p))
+        p++;
+    const char *w = p;
+    while (p < end && !is_ws((unsigned char)*p))
+        p++;
+    Py_ssize_t wl = p - w;
+    if (wl == 3) {
+        if (!((w[0] | 0x20) == 'g' && (w[1] | 0x20) == 'e' && (w[2] | 0x20) == 't'))
+            return 0;
+    } else if (wl == 4 && self->gets_fast) {
+        if (!((w[0] | 0x20) == 'g' && (w[1] | 0x20) == 'e' && (w[2] | 0x20) == 't' && (w[3] | 0x20) == 's'))
+            return 0;
+    } else {
+        return 0;
+    }
+    /* Case-insensitive ('|0x20' maps only 'G'/'g', 'E'/'e', ... onto these letters): Python looks up
+     * other spellings lower-cased, so it answers them the same way. */
+    for (;;) {
+        while (p < end && is_ws((unsigned char)*p))
+            p++;
+        if (p >= end)
+            break;
+        if (nkeys == MAX_FAST_KEYS)
+            return 0;
+        keys[nkeys] = p;
+        while (p < end && !is_ws((unsigned char)*p))
+            p++;
+        keylen[nkeys] = p - keys[nkeys];
+        nkeys++;
+    }
+    if (nkeys == 0)
+        return 0; /* "GET" alone: ERROR, Python's */
+    GenCore *gen = self->gen;
+    int has = gen_has(gen, nkeys);
+    if (has <= 0)
+        return has; /* used up or expired: Python refills (and may wait or fail) */
+    Py_ssize_t need = 8; /* END\r\n */
+    for (int i = 0; i < nkeys; i++)
+        need += keylen[i] + 48;
+    if (out_reserve(out, need) < 0)
+        return -1;
+    char *o = out->data + out->len;
+    long long id = gen->next;
+    for (int i = 0; i < nkeys; i++, id++) {
+        int nd = gen_digits(gen, id);
+        const char *digits = gen->digits;
+        memcpy(o, "VALUE ", 6);
+        o += 6;
+        memcpy(o, keys[i], keylen[i]);
+        o += keylen[i];
+        memcpy(o, " 0 ", 3);
+        o += 3;
+        o += put_digits(o, (unsigned long long)nd);
+        *o++ = '\r';
+        *o++ = '\n';
+        memcpy(o, digits, nd);
+        o += nd;
+        *o++ = '\r';
+        *o++ = '\n';
+    }
+    memcpy(o, "END\r\n", 5);
+    o += 5;
+    out->len = o - out->data;
+    gen->next += nkeys;
+    self->counters->commands += 1;
+    self->counters->ids += nkeys;
+    self->activity += 1;
+    return 1;
+}
+
+static PyObject *
+TextCore_receive(TextCore *self, PyObject *data)
+{
+    if (self->gen == NULL || !PyBytes_CheckExact(data) || self->closing || self->wait != 0.0 ||
+        PyBytes_GET_SIZE(self->buffer) != 0)
+        return PyObject_CallMethodOneArg((PyObject *)self, str_receive_slow, data);
+    const char *start = PyBytes_AS_STRING(data);
+    Py_ssize_t len = PyBytes_GET_SIZE(data);
+    const char *pos = start, *end = start + len;
+    outbuf out;
+    out.data = out.stack;
+    out.len = 0;
+    out.cap = sizeof(out.stack);
+    while (pos < end) {
+        const char *nl = memchr(pos, '\n', end - pos);
+        if (nl == NULL || nl - pos >= self->max_line)
+            break;
+        int r = text_fast_line(self, pos, nl, &out);
+        if (r < 0) {
+            out_free(&out);
+            return NULL;
+        }
+        if (r == 0)
+            break;
+        pos = nl + 1;
+    }
+    PyObject *result;
+    if (pos == end) {
+        result = PyBytes_FromStringAndSize(out.data, out.len);
+    } else if (pos == start) {
+        result = PyObject_CallMethodOneArg((PyObject *)self, str_receive_slow, data);
+    } else {
+        PyObject *rest = PyBytes_FromStringAndSize(pos, end - pos);
+        if (rest == NULL) {
+            out_free(&out);
+            return NULL;
+        }
+        PyObject *tail = PyObject_CallMethodOneArg((PyObject *)self, str_receive_slow, rest);
+        Py_DECREF(rest);
+        if (tail == NULL) {
+            out_free(&out);
+            return NULL;
+        }
+        if (!PyBytes_Check(tail)) {
+            Py_DECREF(tail);
+            out_free(&out);
+            PyErr_SetString(PyExc_TypeError, "_receive_slow must return bytes");
+            return NULL;
+        }
+        result = PyBytes_FromStringAndSize(NULL, out.len + PyBytes_GET_SIZE(tail));
+        if (result != NULL) {
+            memcpy(PyBytes_AS_STRING(result), out.data, out.len);
+            memcpy(PyBytes_AS_STRING(result) + out.len, PyBytes_AS_STRING(tail), PyBytes_GET_SIZE(tail));
+        }
+        Py_DECREF(tail);
+    }
+    out_free(&out);
+    return result;
+}
+
+static PyObject *
+TextCore_get_buffer(TextCore *self, void *closure)
+{
+    Py_INCREF(self->buffer);
+    return self->buffer;
+}
+
+static int
+TextCore_set_buffer(TextCore *self, PyObject *value, void *closure)
+{
+    if (value == NULL || !PyBytes_Check(value)) {
+        PyErr_SetString(PyExc_TypeError, "_buffer must be bytes");
+        return -1;
+    }
+    Py_INCREF(value);
+    Py_SETREF(self->buffer, value);
+    return 0;
+}
+
+static PyObject *
+TextCore_get_closing(TextCore *self, void *closure)
+{
+    return PyBool_FromLong(self->closing);
+}
+
+static int
+TextCore_set_closing(TextCore *self, PyObject *value, void *closure)
+{
+    int v = value == NULL ? -1 : PyObject_IsTrue(value);
+    if (v < 0) {
+        if (!PyErr_Occurred())
+            PyErr_SetString(PyExc_AttributeError, "cannot delete closing");
+        return -1;
+    }
+    self->closing = (char)v;
+    return 0;
+}
+
+static PyMethodDef TextCore_methods[] = {
+    {"receive", (PyCFunction)TextCore_receive, METH_O, "Take newly arrived bytes; return the reply."},
+    {"_fast_init", (PyCFunction)(void (*)(void))TextCore_fast_init, METH_FASTCALL, NULL},
+    {NULL},
+};
+
+static PyMemberDef TextCore_members[] = {
+    {"wait", T_DOUBLE, offsetof(TextCore, wait), 0, NULL},
+    {"activity", T_LONGLONG, offsetof(TextCore, activity), 0, NULL},
+    {NULL},
+};
+
+static PyGetSetDef TextCore_getset[] = {
+    {"_buffer", (getter)TextCore_get_buffer, (setter)TextCore_set_buffer, NULL, NULL},
+    {"closing", (getter)TextCore_get_closing, (setter)TextCore_set_closing, NULL, NULL},
+    {NULL},
+};
+
+static PyType_Slot TextCore_slots[] = {
+    {Py_tp_new, TextCore_new},
+    {Py_tp_dealloc, TextCore_dealloc},
+    {Py_tp_traverse, TextCore_traverse},
+    {Py_tp_clear, TextCore_clear},
+    {Py_tp_methods, TextCore_methods},
+    {Py_tp_members, TextCore_members},
+    {Py_tp_getset, TextCore_getset},
+    {Py_tp_doc, "Fast cases of the memcached text protocol (compiled twin of PyTextCore)."},
+    {0, NULL},
+};
+
+static PyType_Spec TextCore_spec = {
+    "katsubushi_py._speedups.TextCore",
+    sizeof(TextCore),
+    0,
+    Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE | Py_TPFLAGS_HAVE_GC,
+    TextCore_slots,
+};
+
+/* ------------------------------------------------------------------------------------------------ */
+
+static int
+speedups_exec(PyObject *m)
+{
+    str_next_id_slow = PyUnicode_InternFromString("_next_id_slow");
+    str_next_ids_slow = PyUnicode_InternFromString("_next_ids_slow");
+    str_receive_slow = PyUnicode_InternFromString("_receive_slow");
+    if (!str_next_id_slow || !str_next_ids_slow || !str_receive_slow)
+        return -1;
+    GenCore_Type = (PyTypeObject *)PyType_FromModuleAndSpec(m, &GenCore_spec, NULL);
+    if (GenCore_Type == NULL || PyModule_AddType(m, GenCore_Type) < 0)
+        return -1;
+    Counters_Type = (PyTypeObject *)PyType_FromModuleAndSpec(m, &Counters_spec, NULL);
+    if (Counters_Type == NULL || PyModule_AddType(m, Counters_Type) < 0)
+        return -1;
+    PyTypeObject *text = (PyTypeObject *)PyType_FromModuleAndSpec(m, &TextCore_spec, NULL);
+    if (text == NULL || PyModule_AddType(m, text) < 0)
+        return -1;
+    Py_DECREF(text);
+    return 0;
+}
+
+static PyModuleDef_Slot speedups_slots[] = {
+    {Py_mod_exec, speedups_exec},
+    {0, NULL},
+};
+
+static struct PyModuleDef speedups_module = {
+    PyModuleDef_HEAD_INIT,
+    "katsubushi_py._speedups",
+    "Compiled twin of the hot path; see the comment at the top of _speedups.c.",
+    0,
+    NULL,
+    speedups_slots,
+};
+
+PyMODINIT_FUNC
+PyInit__speedups(void)
+{
+    return PyModuleDef_Init(&speedups_module);
+}

@@ -1,0 +1,35 @@
+"""Which implementation of the hot path runs: the compiled twin or the pure-Python reference.
+
+``katsubushi_py._speedups`` (C, built by ``pip install`` where a compiler exists) holds compiled twins
+of three small hot-path classes: the generator's bucket (:class:`~.issuing.bucket.PyGeneratorCore`),
+the per-protocol counters (:class:`~.issuing.issuer.PyCounters`) and the fast cases of the text
+protocol (:class:`~.frontends.text.PyTextCore`). Each pure-Python class stays the reference: it is
+what runs when the module is not built, when ``KATSUBUSHI_NO_EXTENSIONS`` is set (to anything but
+``0``), and on a free-threaded CPython (the compiled fast paths rely on the GIL). The test suite runs
+both ways (``.ci/run``), and STATS reports ``implementation``.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from types import ModuleType
+
+#: True on a free-threaded CPython (3.13t and later) running without the GIL.
+FREE_THREADED = not getattr(sys, "_is_gil_enabled", lambda: True)()
+
+speedups: ModuleType | None = None
+WHY_NOT_COMPILED = ""
+
+if os.environ.get("KATSUBUSHI_NO_EXTENSIONS", "") not in ("", "0"):
+    WHY_NOT_COMPILED = "KATSUBUSHI_NO_EXTENSIONS is set"
+elif FREE_THREADED:
+    WHY_NOT_COMPILED = "free-threaded CPython (the compiled fast paths rely on the GIL)"
+else:
+    try:
+        from . import _speedups as speedups
+    except ImportError as exc:  # not built here (no compiler at install time)
+        WHY_NOT_COMPILED = f"not built ({exc})"
+
+#: "compiled" or "python": what STATS shows as ``implementation``.
+IMPLEMENTATION = "compiled" if speedups is not None else "python"
