@@ -206,7 +206,7 @@ def test_pipelined_requests_are_answered_in_order_and_split_reads_work(conn: Htt
     batch = get("/ids?n=2") + get("/nope") + get("/id", "Accept: application/json") + get("/ids?n=0")
     replies = parse_replies(conn.receive(batch))
     assert [r.status for r in replies] == [200, 404, 200, 400]
-    first, second = (int(x) for x in replies[0].body.split(b"\n"))
+    _first, second = (int(x) for x in replies[0].body.split(b"\n"))
     assert json.loads(replies[2].body)["id"] == str(second + 1)
     assert conn.activity == 4
     # The same, one byte at a time.
