@@ -118,6 +118,13 @@ def test_raw_bytes_as_go_katsubushis_clients_send_them(served: tuple[Daemon, grp
     assert unknown.value.code() == grpc.StatusCode.UNIMPLEMENTED
 
 
+def test_sigterm_with_a_grpc_channel_open_exits_zero(served: tuple[Daemon, grpc.Channel]) -> None:
+    d, channel = served
+    assert pb_grpc.GeneratorStub(channel).Fetch(pb.FetchRequest(), timeout=5).id
+    assert d.stop() == 0
+    assert "stopped" in d.stderr()
+
+
 def test_grpc_listens_on_host_only(daemons: DaemonFactory) -> None:
     # 127.0.0.2 reaches this machine too, but not a socket bound to 127.0.0.1 (go-katsubushi binds all).
     _, port = start_grpc(daemons)
