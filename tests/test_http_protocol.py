@@ -349,3 +349,15 @@ def test_a_request_waiting_for_the_clock_holds_the_ones_after_it_in_order(clock:
     ids = [int(x) for r in rest for x in r.body.split(b"\n") if x.isdigit()]
     assert len(ids) == 6 and ids == sorted(ids) and ids[0] > first
     assert totals(conn) == (4, 7, 0)  # a waiting request is counted once, when answered
+
+
+def test_a_bug_in_a_route_is_a_500_and_a_close_not_a_dropped_connection(
+    clock: FakeClock, caplog: pytest.LogCaptureFixture
+) -> None:
+    def broken(accept: bytes) -> tuple[bytes, bytes]:
+        raise RuntimeError("collector bug")
+
+    conn = make_conn(Generator(1, clock=clock), broken)
+    replies = parse_replies(conn.receive(get("/id") + get("/metrics") + get("/id")))
+    assert [r.status for r in replies] == [200, 500] and conn.closing
+    assert "unexpected error answering an HTTP request" in caplog.text and "collector bug" in caplog.text

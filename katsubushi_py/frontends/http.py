@@ -38,6 +38,7 @@ stalls), the connection limit and the connection counters.
 from __future__ import annotations
 
 import json
+import logging
 import re
 import time
 from collections import deque
@@ -53,6 +54,8 @@ from ..ids.layout import LayoutError
 from ..ids.tools import decode_record
 from ..issuing.errors import ClockWait
 from ..issuing.issuer import MAX_IDS_PER_REQUEST, Issuer
+
+log = logging.getLogger("katsubushi_py")
 
 MAX_URL = 8 * 1024
 MAX_HEAD = 16 * 1024
@@ -436,6 +439,10 @@ class HttpConnection:
             except ClockWait as wait:
                 self.wait = max(wait.seconds, 1e-4)
                 break
+            except Exception:  # a bug in a route: answer it and close, rather than drop the connection
+                log.exception("unexpected error answering an HTTP request")
+                request = Refusal(500, "internal error; see the daemon's log")
+                out.append(respond(request))
             queue.popleft()
             if isinstance(request, Refusal) or not request.keep_alive:
                 self.closing = True
