@@ -45,13 +45,14 @@ class Blackhole:
 class FakeServer:
     """Accepts connections (and counts them); to each request line answers ``reply`` after ``delay``
     seconds, or, with ``trickle``, one byte every ``trickle`` seconds. ``reply=None`` closes each
-    connection as soon as it is accepted."""
+    connection as soon as it is accepted. ``disconnects`` counts connections the client closed."""
 
     def __init__(self, reply: bytes | None, *, delay: float = 0.0, trickle: float = 0.0) -> None:
         self.reply = reply
         self.delay = delay
         self.trickle = trickle
         self.accepted = 0
+        self.disconnects = 0
         self._stop = threading.Event()
         self._conns: list[socket.socket] = []
         self.sock = socket.socket()
@@ -88,6 +89,7 @@ class FakeServer:
                 except TimeoutError:
                     continue
                 if not chunk:
+                    self.disconnects += 1
                     return
                 buffer += chunk
                 while b"\n" in buffer and not self._stop.is_set():

@@ -4,6 +4,7 @@ servers: failover, backoff, the per-call deadline, reply checks, threads, fork a
 from __future__ import annotations
 
 import os
+import pickle
 import re
 import signal
 import threading
@@ -142,6 +143,7 @@ def test_all_servers_down_lists_each(short_tmp: Path) -> None:
     text = str(caught.value)
     assert text.startswith("all 3 katsubushi servers failed: ")
     assert dead in text and missing in text and closer.address in text
+    assert pickle.loads(pickle.dumps(caught.value)).errors == errors  # survives multiprocessing
 
 
 def test_backoff_skips_then_retries_a_failed_server(daemon: Daemon) -> None:

@@ -49,6 +49,9 @@ class AllServersFailed(ClientError):
         which = "the katsubushi server" if len(errors) == 1 else f"all {len(errors)} katsubushi servers"
         super().__init__(f"{which} failed: {detail}")
 
+    def __reduce__(self) -> tuple[type[AllServersFailed], tuple[dict[str, str], float]]:
+        return AllServersFailed, (self.errors, self.timeout)  # picklable, e.g. across multiprocessing
+
 
 @dataclass(frozen=True)
 class ServerAddress:

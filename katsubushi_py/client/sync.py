@@ -7,7 +7,8 @@ whole call, checked IDs (:mod:`.replies`), a pool per server that threads share,
 
 **The deadline.** pymemcache's ``timeout`` bounds each socket operation, so a server that trickles a
 byte just within it could hold a call forever. Through pymemcache's ``socket_module`` hook each
-connection gets sockets whose every connect, send and receive ends at the attempt's deadline.
+connection gets sockets whose every connect, send and receive ends at the attempt's deadline (within
+a millisecond).
 
 **Threads.** Each server keeps up to ``pool_size`` idle connections in a deque (whose ``pop`` and
 ``append`` are atomic); a call takes one or opens one, and puts it back only after a complete,
@@ -51,33 +52,39 @@ from .servers import DEFAULT_SERVERS, Failover, ServerAddress, ServerState, Serv
 
 T = TypeVar("T")
 
+_SLACK = 0.001  # seconds a socket call may end after the deadline (see _DeadlineSocket)
+
 # What a connection taken from the pool shows when the server closed it meanwhile (idle timeout,
 # restart): worth one reconnect within the same call.
 _STALE = (MemcacheUnexpectedCloseError, ConnectionResetError, BrokenPipeError, ConnectionAbortedError)
 
 
 class _DeadlineSocket(socket.socket):
-    """A socket whose blocking calls end at its connection's current deadline."""
+    """A socket whose blocking calls end by its connection's current deadline (give or take
+    ``_SLACK``: ``settimeout`` costs a system call, so the timeout is re-armed only when the time left
+    has shrunk by more than that since it was set; in a quick exchange it is not re-armed at all)."""
 
     __slots__ = ("connection",)
     connection: _Connection
 
-    def _remaining(self) -> float:
+    def _arm(self) -> None:
         remaining = self.connection.deadline - time.monotonic()
         if remaining <= 0:
             raise TimeoutError("timed out")
-        return remaining
+        timeout = self.gettimeout()
+        if timeout is None or timeout > remaining + _SLACK:
+            self.settimeout(remaining)
 
     def connect(self, address: object) -> None:  # type: ignore[override]
-        self.settimeout(self._remaining())
+        self._arm()
         super().connect(address)  # type: ignore[arg-type]
 
     def sendall(self, data: bytes, flags: int = 0) -> None:  # type: ignore[override]
-        self.settimeout(self._remaining())
+        self._arm()
         super().sendall(data, flags)
 
     def recv(self, bufsize: int, flags: int = 0) -> bytes:
-        self.settimeout(self._remaining())
+        self._arm()
         return super().recv(bufsize, flags)
 
 
