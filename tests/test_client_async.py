@@ -129,7 +129,7 @@ async def test_server_error_fails_over(daemons: DaemonFactory, tmp_path: Path) -
 async def test_tasks_share_one_client(daemons: DaemonFactory) -> None:
     a = daemons.start(worker_id=1)
     b = daemons.start(worker_id=2)
-    client = AsyncClient([address(a), address(b)], pool_size=4)
+    client = AsyncClient([address(a), address(b)], pool_size=4, timeout=10)  # no failover from mere load
 
     async def task(i: int) -> list[int]:
         out: list[int] = []
@@ -180,7 +180,8 @@ async def test_cancelled_call_does_not_poison_the_pool(daemons: DaemonFactory) -
     with FakeServer(FAKE_REPLY, delay=0.5) as slow:
         client = AsyncClient(slow.address, timeout=5)
         task = asyncio.create_task(client.fetch())
-        await asyncio.sleep(0.2)
+        await wait_for(lambda: slow.accepted == 1)
+        await asyncio.sleep(0.1)  # the request is on its way; the reply comes 0.5 s later
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task

@@ -34,6 +34,11 @@ DEFAULT_SERVERS = ("127.0.0.1:11212",)
 SERVERS_ENV = "KATSUBUSHI_SERVERS"
 
 
+# Less time than this left is no attempt at all (event loops such as uvloop time in whole ms, so a
+# timer may fire a hair before the deadline).
+_MIN_ATTEMPT = 0.001
+
+
 class ClientError(Exception):
     """Base class of the client's own errors."""
 
@@ -194,7 +199,7 @@ class Call:
         failover = self.failover
         for server in failover.order(time.monotonic()):
             remaining = self.deadline - time.monotonic()
-            if remaining <= 0:
+            if remaining < _MIN_ATTEMPT:
                 self.errors[server.address.text] = f"not tried: the call's {failover.timeout:g} s timeout had passed"
                 continue
             yield server, min(remaining, failover.server_timeout)
