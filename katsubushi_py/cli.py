@@ -7,7 +7,7 @@
     katsubushi-py get [-n N] [--servers ...]    fetch IDs from running daemons, one per line
 
 Every failure is one line on stderr and a non-zero exit: 2 for bad input or configuration, 1 when
-the daemon cannot start or stops on an error.
+the daemon cannot start or stops on an error (or, for ``get``, when no server could issue IDs).
 """
 
 from __future__ import annotations
