@@ -26,7 +26,7 @@ from ..issuing.generator import Generator
 from ..issuing.issuer import Issuer
 from ..leasing import LeaseError, LeaseKeeper
 from .connection import ConnectionHandler
-from .stats import Stats
+from .stats import Stats, settings_fields
 
 log = logging.getLogger("katsubushi_py")
 
@@ -92,6 +92,7 @@ class Daemon:
         self.loop = loop
         self.stats = Stats(self.issuer, config.max_connections, config.idle_timeout)
         self.issuer.stats_fields = self.stats.fields
+        self.issuer.settings_fields = lambda: settings_fields(config)
         self.connections: set[ConnectionHandler] = set()
         self.servers: list[asyncio.AbstractServer] = []
         self.stopping = False
