@@ -44,6 +44,7 @@ from conftest import FAKE_START_MS, FakeClock, decode
 from katsubushi_py.daemon.stats import Stats
 from katsubushi_py.frontends.binary import MAX_BODY, BinaryConnection
 from katsubushi_py.frontends.text import TextConnection
+from katsubushi_py.ids.layout import Layout
 from katsubushi_py.issuing.generator import Generator
 from katsubushi_py.issuing.issuer import Issuer
 
@@ -307,3 +308,15 @@ def test_every_split_of_a_pipelined_stream_gives_the_same_answers(clock: FakeClo
         conn = BinaryConnection(make_issuer(Generator(1, clock=clock)))
         reply = conn.receive(stream[:cut1]) + conn.receive(stream[cut1:cut2]) + conn.receive(stream[cut2:])
         assert [(p.opcode, p.opaque, p.key) for p in parse_all(reply)] == expected, (cut1, cut2)
+
+
+def test_ids_of_other_lengths_are_framed_by_their_length(clock: FakeClock) -> None:
+    """A layout with a recent epoch makes IDs shorter than today's 19 digits."""
+    layout = Layout(epoch_ms=FAKE_START_MS - 1000, now_ms=FAKE_START_MS)
+    conn = BinaryConnection(make_issuer(Generator(3, layout, clock=clock)))
+    [alone] = parse_all(conn.receive(request(GET, opaque=1)))
+    run = parse_all(conn.receive(request(GETKQ, b"a", opaque=2) + request(GET, opaque=3) + request(NOOP)))
+    ids = [id_of(alone), id_of(run[0]), id_of(run[1])]
+    assert all(len(str(i)) < 19 for i in ids) and ids == sorted(ids)
+    assert [(p.opaque, p.key) for p in run] == [(2, b"a"), (3, b""), (0, b"")]
+    assert [layout.decompose(i).worker_id for i in ids] == [3, 3, 3]

@@ -105,6 +105,8 @@ _PERMANENT = frozenset(("internal", "layout_exhausted"))
 
 # magic, opcode, key length, extras length, data type, vbucket, body length (the opaque is echoed raw).
 _REQUEST = struct.Struct(">BBHBBHI")
+# The same without data type and vbucket, with the opaque: what the parsing loop needs of a header.
+_REQUEST_OPAQUE = struct.Struct(">BBHBxxxI4s")
 # magic, opcode, key length, extras length, data type, status, body length, opaque (raw), CAS.
 _RESPONSE = struct.Struct(">BBHBBHI4sQ")
 _FLAGS = b"\x00\x00\x00\x00"
@@ -119,6 +121,23 @@ _GET_19 = (
     + b"\x00" * 12
     + b"%d"
 )
+
+
+def _prefixes_19(opcode: int) -> list[bytes]:
+    """Bytes 0-11 of the reply to ``opcode`` with a 19-digit ID, by the request's key length (only
+    GETK and GETKQ echo the key, so only their replies depend on it)."""
+    echo = opcode in _ECHO_KEY
+    return [
+        struct.pack(">BBHBBHI", RESPONSE_MAGIC, opcode, n if echo else 0, 4, 0, SUCCESS, 4 + (n if echo else 0) + 19)
+        for n in range(MAX_KEY + 1)
+    ]
+
+
+# Pipelined gets (a quiet multi-get, or GETs sent back to back) are answered as one run: their IDs
+# come from one ``next_ids`` and their replies from one format of this template repeated: prefix,
+# opaque, CAS and flags all zero, the key (empty unless echoed), the ID.
+_GET_PREFIXES_19 = {opcode: _prefixes_19(opcode) for opcode in (GET, GETQ, GETK, GETKQ)}
+_GET_ITEM_19 = b"%b%b" + b"\x00" * 12 + b"%b%d"
 
 Handler = Callable[[int, bytes, bytes], bytes]
 
@@ -145,6 +164,7 @@ class BinaryConnection:
         "_handlers",
         "_issuer",
         "_next_id",
+        "_next_ids",
         "_version",
         "activity",
         "closing",
@@ -155,13 +175,14 @@ class BinaryConnection:
         self._issuer = issuer
         self._counters = issuer.counters("binary")
         self._next_id = issuer.next_id
+        self._next_ids = issuer.next_ids
         self._buffer = b""
         self._version = issuer.version.encode()
         self.closing = False
         self.wait = 0.0
         self.activity = 0
+        # Every opcode but the gets, which are answered in runs (see _receive_all).
         handlers: list[Handler] = [self._unknown] * 256
-        handlers[GET] = handlers[GETQ] = handlers[GETK] = handlers[GETKQ] = self._get
         handlers[NOOP] = self._noop
         handlers[VERSION] = self._version_cmd
         handlers[STAT] = self._stat
@@ -191,11 +212,12 @@ class BinaryConnection:
                 and keylen + extlen <= bodylen
             ):
                 # The usual case: exactly one complete GET.
-                self.activity += 1
                 try:
-                    return self._get(GET, data[12:16], b"")
+                    reply = self._get_one(data[12:16])
                 except ClockWait as wait:
                     return self._wait(data, wait, b"")
+                self.activity += 1
+                return reply
         return self._receive_all(data)
 
     def resume(self) -> bytes:
@@ -204,49 +226,78 @@ class BinaryConnection:
         return self.receive(b"") if self._buffer else b""
 
     def _receive_all(self, data: bytes) -> bytes:
+        """Every complete request in ``data``, in order; consecutive gets are answered as one run."""
         out: list[bytes] = []
         pos = 0
         size = len(data)
         handlers = self._handlers
+        prefixes_19 = _GET_PREFIXES_19
+        gets: list[bytes | int] = []  # the run of gets not answered yet: prefix, opaque, key, 0 each
+        gets_start = 0
+        unpack = _REQUEST_OPAQUE.unpack_from
         while size - pos >= HEADER:
-            magic, opcode, keylen, extlen, _, _, bodylen = _REQUEST.unpack_from(data, pos)
-            if magic != REQUEST_MAGIC:
-                self.closing = True
-                return b"".join(out)
-            if keylen > MAX_KEY or bodylen > MAX_BODY or keylen + extlen > bodylen:
-                # Close before reading (or allocating) the body, as memcached does.
-                self.closing = True
-                out.append(response(opcode, data[pos + 12 : pos + 16], INVALID_ARGUMENTS, value=b"Invalid arguments"))
-                return b"".join(out)
+            magic, opcode, keylen, extlen, bodylen, opaque = unpack(data, pos)
             end = pos + HEADER + bodylen
+            if magic != REQUEST_MAGIC or keylen > MAX_KEY or bodylen > MAX_BODY or keylen + extlen > bodylen:
+                break  # answered below, after the requests before it
             if end > size:
                 break
+            prefixes = prefixes_19.get(opcode)
+            if prefixes is not None:
+                if not gets:
+                    gets_start = pos
+                if opcode in _ECHO_KEY:
+                    key_start = pos + HEADER + extlen
+                    gets += (prefixes[keylen], opaque, data[key_start : key_start + keylen], 0)
+                else:
+                    gets += (prefixes[keylen], opaque, b"", 0)
+                pos = end
+                continue
+            if gets:
+                try:
+                    out.append(self._answer_gets(gets))
+                except ClockWait as wait:
+                    return self._wait(data[gets_start:], wait, b"".join(out))
+                gets = []
             self.activity += 1
             key_start = pos + HEADER + extlen
-            try:
-                out.append(handlers[opcode](opcode, data[pos + 12 : pos + 16], data[key_start : key_start + keylen]))
-            except ClockWait as wait:
-                return self._wait(data[pos:], wait, b"".join(out))
+            out.append(handlers[opcode](opcode, opaque, data[key_start : key_start + keylen]))
             if self.closing:  # QUIT: what came after it is not answered
                 return b"".join(out)
             pos = end
+        if gets:
+            try:
+                out.append(self._answer_gets(gets))
+            except ClockWait as wait:
+                return self._wait(data[gets_start:], wait, b"".join(out))
         if pos < size:
-            if data[pos] != REQUEST_MAGIC:
-                self.closing = True
-            else:
-                self._buffer = data[pos:]
+            out.append(self._check_rest(data, pos))
         return b"".join(out)
+
+    def _check_rest(self, data: bytes, pos: int) -> bytes:
+        """What follows the complete requests: keep an incomplete request; close on a bad magic, or
+        on lengths too long to read (answered "invalid arguments", as memcached does, before the
+        body is read or anything is allocated for it)."""
+        if data[pos] != REQUEST_MAGIC:
+            self.closing = True
+            return b""
+        if len(data) - pos >= HEADER:
+            _, opcode, keylen, extlen, _, _, bodylen = _REQUEST.unpack_from(data, pos)
+            if keylen > MAX_KEY or bodylen > MAX_BODY or keylen + extlen > bodylen:
+                self.closing = True
+                return response(opcode, data[pos + 12 : pos + 16], INVALID_ARGUMENTS, value=b"Invalid arguments")
+        self._buffer = data[pos:]
+        return b""
 
     def _wait(self, rest: bytes, wait: ClockWait, reply: bytes) -> bytes:
         """Keep ``rest`` (starting with the waiting request) for :meth:`resume`."""
-        self.activity -= 1  # counted again when the request is taken up
         self._buffer = rest
         self.wait = max(wait.seconds, 1e-4)
         return reply
 
     # -- requests --------------------------------------------------------------------------------
-    def _get(self, opcode: int, opaque: bytes, key: bytes) -> bytes:
-        """GET, GETQ, GETK and GETKQ: the binary hot path, so counters are bumped inline."""
+    def _get_one(self, opaque: bytes) -> bytes:
+        """A GET alone in its read: the binary hot path, so counters are bumped inline."""
         counters = self._counters
         counters.commands += 1
         try:
@@ -255,11 +306,36 @@ class BinaryConnection:
             counters.commands -= 1
             raise
         except Exception as exc:
-            return self._failure(opcode, opaque, exc)
+            return self._failure(GET, opaque, exc)
         counters.ids += 1
-        if opcode == GET and _MIN_19_DIGITS <= id_ < _MAX_19_DIGITS:
+        if _MIN_19_DIGITS <= id_ < _MAX_19_DIGITS:
             return _GET_19 % (opaque, id_)
-        return value_response(opcode, opaque, key if opcode in _ECHO_KEY else b"", id_)
+        return value_response(GET, opaque, b"", id_)
+
+    def _answer_gets(self, gets: list[bytes | int]) -> bytes:
+        """A run of gets: one ``next_ids`` for all, the replies in one format. If no ID can be
+        issued, every request of the run gets the error, each with its own opaque."""
+        count = len(gets) >> 2
+        counters = self._counters
+        counters.commands += count
+        try:
+            ids = self._next_ids(count) if count > 1 else [self._next_id()]
+        except ClockWait:
+            counters.commands -= count
+            raise
+        except Exception as exc:
+            # The prefix's second byte is the opcode.
+            replies = [self._failure(p[1], o, exc) for p, o in zip(gets[0::4], gets[1::4], strict=True)]  # type: ignore[index,arg-type]
+            return b"".join(replies)
+        counters.ids += count
+        self.activity += count
+        if ids[0] >= _MIN_19_DIGITS and ids[-1] < _MAX_19_DIGITS:
+            gets[3::4] = ids
+            return _GET_ITEM_19 * count % tuple(gets)
+        return b"".join(
+            value_response(p[1], o, k, i)  # type: ignore[index,arg-type]
+            for p, o, k, i in zip(gets[0::4], gets[1::4], gets[2::4], ids, strict=True)
+        )
 
     def _failure(self, opcode: int, opaque: bytes, exc: Exception) -> bytes:
         failure = self._issuer.failed(self._counters, exc)
