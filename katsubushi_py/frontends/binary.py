@@ -139,8 +139,6 @@ def _prefixes_19(opcode: int) -> list[bytes]:
 _GET_PREFIXES_19 = {opcode: _prefixes_19(opcode) for opcode in (GET, GETQ, GETK, GETKQ)}
 _GET_ITEM_19 = b"%b%b" + b"\x00" * 12 + b"%b%d"
 
-Handler = Callable[[int, bytes, bytes], bytes]
-
 
 def response(opcode: int, opaque: bytes, status: int = SUCCESS, key: bytes = b"", value: bytes = b"") -> bytes:
     """A response packet without extras."""
@@ -161,7 +159,6 @@ class BinaryConnection:
     __slots__ = (
         "_buffer",
         "_counters",
-        "_handlers",
         "_issuer",
         "_next_id",
         "_next_ids",
@@ -181,16 +178,6 @@ class BinaryConnection:
         self.closing = False
         self.wait = 0.0
         self.activity = 0
-        # Every opcode but the gets, which are answered in runs (see _receive_all).
-        handlers: list[Handler] = [self._unknown] * 256
-        handlers[NOOP] = self._noop
-        handlers[VERSION] = self._version_cmd
-        handlers[STAT] = self._stat
-        handlers[QUIT] = self._quit
-        handlers[QUITQ] = self._quit
-        for opcode in UNSUPPORTED:
-            handlers[opcode] = self._unsupported
-        self._handlers = handlers
 
     def receive(self, data: bytes) -> bytes:
         """Take newly arrived bytes; return the reply to every request complete in them."""
@@ -230,7 +217,7 @@ class BinaryConnection:
         out: list[bytes] = []
         pos = 0
         size = len(data)
-        handlers = self._handlers
+        handlers = _HANDLERS
         prefixes_19 = _GET_PREFIXES_19
         gets: list[bytes | int] = []  # the run of gets not answered yet: prefix, opaque, key, 0 each
         gets_start = 0
@@ -261,7 +248,7 @@ class BinaryConnection:
                 gets = []
             self.activity += 1
             key_start = pos + HEADER + extlen
-            out.append(handlers[opcode](opcode, opaque, data[key_start : key_start + keylen]))
+            out.append(handlers[opcode](self, opcode, opaque, data[key_start : key_start + keylen]))
             if self.closing:  # QUIT: what came after it is not answered
                 return b"".join(out)
             pos = end
@@ -369,3 +356,19 @@ class BinaryConnection:
 
     def _unknown(self, opcode: int, opaque: bytes, key: bytes) -> bytes:
         return response(opcode, opaque, UNKNOWN_COMMAND, value=b"Unknown command")
+
+
+def _handlers() -> list[Callable[[BinaryConnection, int, bytes, bytes], bytes]]:
+    """Every opcode but the gets (answered in runs, see ``_receive_all``), by opcode. Shared by all
+    connections, so a connection costs no memory for it."""
+    handlers = [BinaryConnection._unknown] * 256
+    handlers[NOOP] = BinaryConnection._noop
+    handlers[VERSION] = BinaryConnection._version_cmd
+    handlers[STAT] = BinaryConnection._stat
+    handlers[QUIT] = handlers[QUITQ] = BinaryConnection._quit
+    for opcode in UNSUPPORTED:
+        handlers[opcode] = BinaryConnection._unsupported
+    return handlers
+
+
+_HANDLERS = _handlers()

@@ -117,7 +117,6 @@ class TextConnection:
         "_fast_get",
         "_issuer",
         "_max_line",
-        "_meta_commands",
         "_next_id",
         "_version",
         "activity",
@@ -140,26 +139,11 @@ class TextConnection:
             b"version": self._version_cmd,
             b"stats": self._stats_cmd,
             b"quit": self._quit,
-            b"mg": self._meta,
-            b"mn": self._meta,
-            b"ms": self._meta,
-            b"md": self._meta,
-            b"ma": self._meta,
-            b"me": self._meta,
         }
         # The two usual spellings are looked up directly; anything else is lower-cased first.
         self._commands = {**handlers, **{name.upper(): h for name, h in handlers.items()}}
         self._fast_get = frozenset((b"get", b"GET") if gets_cas else (b"get", b"GET", b"gets", b"GETS"))
         self._next_id = issuer.next_id
-        # Meta commands are lower case only, as in memcached: these are looked up by exact spelling.
-        self._meta_commands: dict[bytes, Callable[[list[bytes]], bytes]] = {
-            b"mg": self._meta_get,
-            b"mn": self._meta_noop,
-            b"ms": self._meta_set,
-            b"md": self._meta_unsupported,
-            b"ma": self._meta_unsupported,
-            b"me": self._meta_unsupported,
-        }
 
     def receive(self, data: bytes) -> bytes:
         """Take newly arrived bytes; return the reply to everything complete in them."""
@@ -255,7 +239,8 @@ class TextConnection:
             return ERROR
         handler = self._commands.get(tokens[0]) or self._commands.get(tokens[0].lower())
         if handler is None:
-            return ERROR
+            meta = _META_COMMANDS.get(tokens[0])
+            return ERROR if meta is None else meta(self, tokens)
         return handler(tokens)
 
     # -- commands --------------------------------------------------------------------------------
@@ -314,16 +299,12 @@ class TextConnection:
         self.closing = True
         return None
 
-    # -- meta commands ---------------------------------------------------------------------------
-    def _meta(self, tokens: list[bytes]) -> bytes:
-        handler = self._meta_commands.get(tokens[0])
-        if handler is None or (len(tokens) < 2 and tokens[0] != b"mn"):
-            return ERROR  # upper case, or no key: memcached answers ERROR too
-        return handler(tokens)
-
+    # -- meta commands (see _META_COMMANDS) ------------------------------------------------------
     def _meta_get(self, tokens: list[bytes]) -> bytes:
         """``mg <key> <flags>*``: one fresh ID, as memcached answers a hit on an item without expiry.
         Flags are checked before an ID is taken, so a bad request costs none."""
+        if len(tokens) < 2:
+            return ERROR  # as memcached
         key = tokens[1]
         if len(key) > MAX_KEY:
             return BAD_FORMAT
@@ -376,9 +357,24 @@ class TextConnection:
 
     def _meta_set(self, tokens: list[bytes]) -> bytes:
         """``ms <key> <datalen> <flags>*`` and its data block: not supported, and the block is skipped."""
+        if len(tokens) < 2:
+            return ERROR
         if len(tokens) < 3 or not tokens[2].isdigit():
             return BAD_FORMAT  # no length: memcached too reads the block as the next command
         raise _DataBlock(int(tokens[2]) + 2, not_supported(b"ms"))
 
     def _meta_unsupported(self, tokens: list[bytes]) -> bytes:
-        return not_supported(tokens[0])
+        return ERROR if len(tokens) < 2 else not_supported(tokens[0])
+
+
+# Meta commands are lower case only, as in memcached, so they are looked up by exact spelling, and
+# only when the command table has no entry: they cost the other commands nothing, and a connection
+# no memory (this table is shared).
+_META_COMMANDS: dict[bytes, Callable[[TextConnection, list[bytes]], bytes]] = {
+    b"mg": TextConnection._meta_get,
+    b"mn": TextConnection._meta_noop,
+    b"ms": TextConnection._meta_set,
+    b"md": TextConnection._meta_unsupported,
+    b"ma": TextConnection._meta_unsupported,
+    b"me": TextConnection._meta_unsupported,
+}
