@@ -4,9 +4,10 @@
     katsubushi-py decode ID...                  one JSON line per ID
     katsubushi-py id-at TIME                    the smallest ID at an instant
     katsubushi-py partitions --start DATE --days N   MySQL PARTITION BY RANGE COLUMNS(id)
+    katsubushi-py get [-n N] [--servers ...]    fetch IDs from running daemons, one per line
 
 Every failure is one line on stderr and a non-zero exit: 2 for bad input or configuration, 1 when
-the daemon cannot start or stops on an error.
+the daemon cannot start or stops on an error (or, for ``get``, when no server could issue IDs).
 """
 
 from __future__ import annotations
@@ -85,6 +86,43 @@ def cmd_partitions(argv: Sequence[str]) -> int:
         print(partitions(layout, args.start, args.days, table=args.table, column=args.column))
     except (ToolError, LayoutError) as exc:
         return _fail(str(exc))
+    return 0
+
+
+# -- get -------------------------------------------------------------------------------------------
+def cmd_get(argv: Sequence[str]) -> int:
+    from .client import DEFAULT_SERVERS, SERVERS_ENV, AllServersFailed, Client
+    from .issuing.issuer import MAX_IDS_PER_REQUEST
+
+    parser = _Parser(prog=f"{PROG} get", description="Fetch IDs from katsubushi daemons (with failover).")
+    parser.add_argument("-n", type=int, default=1, help="how many IDs (default 1)")
+    parser.add_argument(
+        "--servers",
+        nargs="+",
+        default=None,
+        help=f"host:port or unix:/path, in order of preference; commas work too (env {SERVERS_ENV};"
+        f" default {DEFAULT_SERVERS[0]})",
+    )
+    parser.add_argument("--timeout", type=float, default=2.0, help="seconds per request, all servers (default 2)")
+    args = parser.parse_args(argv)
+    if args.n < 1:
+        return _fail("-n must be at least 1")
+    servers = args.servers or os.environ.get(SERVERS_ENV) or DEFAULT_SERVERS
+    try:
+        client = Client(servers, timeout=args.timeout)
+    except ValueError as exc:
+        return _fail(str(exc))
+    with client:
+        left = args.n
+        while left:
+            batch = min(left, MAX_IDS_PER_REQUEST)
+            try:
+                ids = client.fetch_many(batch)
+            except AllServersFailed as exc:
+                sys.stdout.flush()
+                return _fail(str(exc), 1)
+            sys.stdout.write("".join(f"{id_}\n" for id_ in ids))
+            left -= batch
     return 0
 
 
@@ -238,6 +276,7 @@ COMMANDS: dict[str, Callable[[Sequence[str]], int]] = {
     "id-at": cmd_id_at,
     "partitions": cmd_partitions,
     "lease": cmd_lease,
+    "get": cmd_get,
 }
 
 

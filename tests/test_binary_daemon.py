@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import itertools
 import os
+import re
 import shutil
 import socket
 import threading
 import time
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -34,7 +36,7 @@ from binary_packets import (
     read_until_terminator,
     request,
 )
-from conftest import Daemon, DaemonFactory, decode, parse_values, recv_all, recv_until
+from conftest import Daemon, DaemonFactory, decode, free_port, parse_values, recv_all, recv_until, wait_for_port
 from test_daemon import rss_kb
 
 from katsubushi_py import __version__
@@ -254,3 +256,26 @@ def test_generation_failure_when_the_state_file_cannot_be_written(daemons: Daemo
         os.mkdir(state_dir)
         binary.sendall(request(GET))
         assert id_of(read_packets(binary, 1)[0]) > first
+
+
+def test_binary_and_meta_requests_have_their_own_metrics(daemons: DaemonFactory) -> None:
+    http_port = free_port()
+    d = daemons.start("--http-port", str(http_port))
+    wait_for_port(http_port, d.proc)
+
+    def requests_by_protocol() -> dict[str, float]:
+        with urllib.request.urlopen(f"http://127.0.0.1:{http_port}/metrics", timeout=5) as response:
+            body = response.read().decode()
+        return {
+            m.group(1): float(m.group(2))
+            for m in re.finditer(r'^katsubushi_requests_total\{protocol="(\w+)"\} (\S+)$', body, re.M)
+        }
+
+    assert requests_by_protocol()["binary"] == requests_by_protocol()["meta"] == 0  # there from the start
+    with d.connect() as binary, d.connect() as text:
+        binary.sendall(request(GET) + b"".join(request(GETKQ, b"k%d" % i) for i in range(3)) + request(NOOP))
+        assert len(read_until_terminator(binary, NOOP)) == 5
+        text.sendall(b"mg a v\r\nget b c\r\n")
+        assert recv_until(text, b"END\r\n").count(b"\r\n") == 7
+    counts = requests_by_protocol()
+    assert (counts["binary"], counts["meta"], counts["text"]) == (4, 1, 1)

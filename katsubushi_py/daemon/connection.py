@@ -5,17 +5,19 @@ flow control (stop reading from a client that does not read its replies), the id
 connection limit, and waiting for the clock without blocking anyone else (the protocol says how long
 a command must wait; reading pauses meanwhile, so replies stay in order and memory bounded).
 
-The first byte a client sends picks the protocol for the rest of the connection, as in memcached and
-go-katsubushi: ``0x80`` (the binary request magic) the binary protocol, anything else the text one.
-That choice is made once: the first ``data_received`` rebinds the receive function to the chosen
-protocol object, so later reads cost exactly what they cost before binary support existed.
+On a memcached listener the first byte a client sends picks the protocol for the rest of the
+connection, as in memcached and go-katsubushi: ``0x80`` (the binary request magic) the binary
+protocol, anything else the text one. That choice is made once: the first ``data_received`` rebinds
+the receive function to the chosen protocol object, so later reads cost exactly what they cost
+before binary support existed.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Protocol
 
 from ..frontends.binary import REQUEST_MAGIC, BinaryConnection
 from ..frontends.text import TextConnection
@@ -26,6 +28,18 @@ if TYPE_CHECKING:
 log = logging.getLogger("katsubushi_py")
 
 TOO_MANY_CONNECTIONS = b"SERVER_ERROR too many connections\r\n"
+
+
+class SansIOConnection(Protocol):
+    """What this glue drives: see :class:`~katsubushi_py.frontends.text.TextConnection`."""
+
+    closing: bool
+    wait: float
+    activity: int
+
+    def receive(self, data: bytes) -> bytes: ...
+
+    def resume(self) -> bytes: ...
 
 
 class _Closed:
@@ -46,7 +60,9 @@ _CLOSED = _Closed()
 
 
 class ConnectionHandler(asyncio.Protocol):
-    """A memcached connection, text or binary."""
+    """A client connection: memcached (text or binary, as its first byte says) unless
+    ``open_protocol`` makes another sans-IO protocol object (HTTP), whose listener also says what a
+    refused connection is told."""
 
     __slots__ = (
         "_conn",
@@ -54,17 +70,26 @@ class ConnectionHandler(asyncio.Protocol):
         "_eof",
         "_idle_handle",
         "_last_activity",
+        "_open_protocol",
         "_receive",
+        "_refusal",
         "_transport",
         "_wait_handle",
         "_write",
         "_write_paused",
     )
 
-    def __init__(self, daemon: Daemon) -> None:
+    def __init__(
+        self,
+        daemon: Daemon,
+        open_protocol: Callable[[], SansIOConnection] | None = None,
+        refusal: bytes = TOO_MANY_CONNECTIONS,
+    ) -> None:
         self._daemon = daemon
+        self._open_protocol = open_protocol
+        self._refusal = refusal
         self._transport: asyncio.Transport | None = None
-        self._conn: TextConnection | BinaryConnection | _Closed = _CLOSED
+        self._conn: SansIOConnection = _CLOSED
         self._idle_handle: asyncio.TimerHandle | None = None
         self._wait_handle: asyncio.TimerHandle | None = None
         self._write_paused = False
@@ -80,12 +105,17 @@ class ConnectionHandler(asyncio.Protocol):
         if len(daemon.connections) >= daemon.config.max_connections or daemon.stopping:
             stats.rejected_connections += 1
             self._receive = _CLOSED.receive
-            tcp.write(TOO_MANY_CONNECTIONS)
+            tcp.write(self._refusal)
             tcp.close()
             return
-        # Text until the first byte says otherwise (the idle timer may read its activity before that).
-        self._conn = TextConnection(daemon.issuer, gets_cas=daemon.config.gets_cas)
-        self._receive = self._first_data
+        if self._open_protocol is not None:
+            conn = self._conn = self._open_protocol()
+            # Bound once here rather than looked up on every request.
+            self._receive = conn.receive
+        else:
+            # Text until the first byte says otherwise (the idle timer may read its activity before that).
+            self._conn = TextConnection(daemon.issuer, gets_cas=daemon.config.gets_cas)
+            self._receive = self._first_data
         self._write = tcp.write
         daemon.connections.add(self)
         stats.curr_connections += 1
@@ -94,7 +124,8 @@ class ConnectionHandler(asyncio.Protocol):
             self._idle_handle = daemon.loop.call_later(daemon.config.idle_timeout, self._check_idle)
 
     def _first_data(self, data: bytes) -> bytes:
-        """The first read: pick the protocol, and bind its receive for every later read."""
+        """The first read on a memcached connection: pick the protocol, and bind its receive for
+        every later read."""
         if data[0] == REQUEST_MAGIC:
             self._conn = BinaryConnection(self._daemon.issuer)
         receive = self._receive = self._conn.receive
