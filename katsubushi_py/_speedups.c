@@ -379,7 +379,7 @@ static PyType_Spec Counters_spec = {
 };
 
 /* ------------------------------------------------------------------------------------------------ */
-/* TextCore                                                                                          */
+/* Connection cores: TextCore and BinaryCore share one layout                                                                                          */
 
 #define MAX_FAST_KEYS 128
 
@@ -395,14 +395,14 @@ typedef struct {
     Counters *counters;
     Py_ssize_t max_line;
     char gets_fast;      /* GETS is answered exactly like GET (no --gets-cas) */
-} TextCore;
+} ConnCore;
 
 static PyTypeObject *GenCore_Type, *Counters_Type;
 
 static PyObject *
-TextCore_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
+ConnCore_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
 {
-    TextCore *self = (TextCore *)type->tp_alloc(type, 0);
+    ConnCore *self = (ConnCore *)type->tp_alloc(type, 0);
     if (self != NULL) {
         self->buffer = PyBytes_FromStringAndSize(NULL, 0);
         if (self->buffer == NULL) {
@@ -415,7 +415,7 @@ TextCore_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
 }
 
 static int
-TextCore_traverse(TextCore *self, visitproc visit, void *arg)
+ConnCore_traverse(ConnCore *self, visitproc visit, void *arg)
 {
     Py_VISIT(self->gen);
     Py_VISIT(self->counters);
@@ -424,7 +424,7 @@ TextCore_traverse(TextCore *self, visitproc visit, void *arg)
 }
 
 static int
-TextCore_clear(TextCore *self)
+ConnCore_clear(ConnCore *self)
 {
     Py_CLEAR(self->buffer);
     Py_CLEAR(self->gen);
@@ -433,22 +433,22 @@ TextCore_clear(TextCore *self)
 }
 
 static void
-TextCore_dealloc(TextCore *self)
+ConnCore_dealloc(ConnCore *self)
 {
     PyTypeObject *tp = Py_TYPE(self);
     PyObject_GC_UnTrack(self);
-    TextCore_clear(self);
+    ConnCore_clear(self);
     tp->tp_free((PyObject *)self);
     Py_DECREF(tp);
 }
 
-/* _fast_init(generator, counters, max_line, gets_fast): the fast path is used only when the
+/* _fast_init(generator, counters, max_line=0, gets_fast=False): the fast path is used only when the
  * generator and the counters are the compiled types. */
 static PyObject *
-TextCore_fast_init(TextCore *self, PyObject *const *args, Py_ssize_t nargs)
+ConnCore_fast_init(ConnCore *self, PyObject *const *args, Py_ssize_t nargs)
 {
-    if (nargs != 4) {
-        PyErr_SetString(PyExc_TypeError, "_fast_init(generator, counters, max_line, gets_fast)");
+    if (nargs != 2 && nargs != 4) {
+        PyErr_SetString(PyExc_TypeError, "_fast_init(generator, counters[, max_line, gets_fast])");
         return NULL;
     }
     Py_CLEAR(self->gen);
@@ -459,13 +459,15 @@ TextCore_fast_init(TextCore *self, PyObject *const *args, Py_ssize_t nargs)
         Py_INCREF(args[1]);
         self->counters = (Counters *)args[1];
     }
-    self->max_line = PyLong_AsSsize_t(args[2]);
-    if (self->max_line == -1 && PyErr_Occurred())
-        return NULL;
-    int gets_fast = PyObject_IsTrue(args[3]);
-    if (gets_fast < 0)
-        return NULL;
-    self->gets_fast = (char)gets_fast;
+    if (nargs == 4) {
+        self->max_line = PyLong_AsSsize_t(args[2]);
+        if (self->max_line == -1 && PyErr_Occurred())
+            return NULL;
+        int gets_fast = PyObject_IsTrue(args[3]);
+        if (gets_fast < 0)
+            return NULL;
+        self->gets_fast = (char)gets_fast;
+    }
     Py_RETURN_NONE;
 }
 
@@ -554,7 +556,7 @@ out_free(outbuf *o)
 /* Try to answer one line [p, end) (without its LF) as a GET the fast path may take. Returns 1 if
  * answered (reply appended), 0 if the line is for Python, -1 on error. */
 static int
-text_fast_line(TextCore *self, const char *p, const char *end, outbuf *out)
+text_fast_line(ConnCore *self, const char *p, const char *end, outbuf *out)
 {
     const char *keys[MAX_FAST_KEYS];
     Py_ssize_t keylen[MAX_FAST_KEYS];
@@ -630,15 +632,53 @@ text_fast_line(TextCore *self, const char *p, const char *end, outbuf *out)
     return 1;
 }
 
+/* The reply to data when the fast path answered data[0:pos] into out: out alone if it took
+ * everything, else out followed by what the Python _receive_slow answers for the rest. */
 static PyObject *
-TextCore_receive(TextCore *self, PyObject *data)
+finish_reply(ConnCore *self, PyObject *data, Py_ssize_t pos, outbuf *out)
 {
-    if (self->gen == NULL || !PyBytes_CheckExact(data) || self->closing || self->wait != 0.0 ||
-        PyBytes_GET_SIZE(self->buffer) != 0)
+    Py_ssize_t len = PyBytes_GET_SIZE(data);
+    if (pos == len)
+        return PyBytes_FromStringAndSize(out->data, out->len);
+    if (pos == 0)
+        return PyObject_CallMethodOneArg((PyObject *)self, str_receive_slow, data);
+    PyObject *rest = PyBytes_FromStringAndSize(PyBytes_AS_STRING(data) + pos, len - pos);
+    if (rest == NULL)
+        return NULL;
+    PyObject *tail = PyObject_CallMethodOneArg((PyObject *)self, str_receive_slow, rest);
+    Py_DECREF(rest);
+    if (tail == NULL)
+        return NULL;
+    if (!PyBytes_Check(tail)) {
+        Py_DECREF(tail);
+        PyErr_SetString(PyExc_TypeError, "_receive_slow must return bytes");
+        return NULL;
+    }
+    PyObject *result = PyBytes_FromStringAndSize(NULL, out->len + PyBytes_GET_SIZE(tail));
+    if (result != NULL) {
+        memcpy(PyBytes_AS_STRING(result), out->data, out->len);
+        memcpy(PyBytes_AS_STRING(result) + out->len, PyBytes_AS_STRING(tail), PyBytes_GET_SIZE(tail));
+    }
+    Py_DECREF(tail);
+    return result;
+}
+
+/* May the fast path look at data at all? Not before _fast_init found compiled parts, and not while
+ * the connection holds bytes, waits for the clock or is closing: those are Python's to handle. */
+static inline int
+may_take(ConnCore *self, PyObject *data)
+{
+    return self->gen != NULL && PyBytes_CheckExact(data) && !self->closing && self->wait == 0.0 &&
+           PyBytes_GET_SIZE(self->buffer) == 0;
+}
+
+static PyObject *
+TextCore_receive(ConnCore *self, PyObject *data)
+{
+    if (!may_take(self, data))
         return PyObject_CallMethodOneArg((PyObject *)self, str_receive_slow, data);
     const char *start = PyBytes_AS_STRING(data);
-    Py_ssize_t len = PyBytes_GET_SIZE(data);
-    const char *pos = start, *end = start + len;
+    const char *pos = start, *end = start + PyBytes_GET_SIZE(data);
     outbuf out;
     out.data = out.stack;
     out.len = 0;
@@ -656,49 +696,125 @@ TextCore_receive(TextCore *self, PyObject *data)
             break;
         pos = nl + 1;
     }
-    PyObject *result;
-    if (pos == end) {
-        result = PyBytes_FromStringAndSize(out.data, out.len);
-    } else if (pos == start) {
-        result = PyObject_CallMethodOneArg((PyObject *)self, str_receive_slow, data);
-    } else {
-        PyObject *rest = PyBytes_FromStringAndSize(pos, end - pos);
-        if (rest == NULL) {
-            out_free(&out);
-            return NULL;
-        }
-        PyObject *tail = PyObject_CallMethodOneArg((PyObject *)self, str_receive_slow, rest);
-        Py_DECREF(rest);
-        if (tail == NULL) {
-            out_free(&out);
-            return NULL;
-        }
-        if (!PyBytes_Check(tail)) {
-            Py_DECREF(tail);
-            out_free(&out);
-            PyErr_SetString(PyExc_TypeError, "_receive_slow must return bytes");
-            return NULL;
-        }
-        result = PyBytes_FromStringAndSize(NULL, out.len + PyBytes_GET_SIZE(tail));
-        if (result != NULL) {
-            memcpy(PyBytes_AS_STRING(result), out.data, out.len);
-            memcpy(PyBytes_AS_STRING(result) + out.len, PyBytes_AS_STRING(tail), PyBytes_GET_SIZE(tail));
-        }
-        Py_DECREF(tail);
-    }
+    PyObject *result = finish_reply(self, data, pos - start, &out);
     out_free(&out);
     return result;
 }
 
+/* The binary protocol: the request and response headers are 24 bytes, big-endian. */
+#define BIN_HEADER 24
+#define BIN_MAX_KEY 250
+#define BIN_MAX_BODY 4096
+#define OP_GET 0x00
+#define OP_GETQ 0x09
+#define OP_NOOP 0x0a
+#define OP_GETK 0x0c
+#define OP_GETKQ 0x0d
+
+static inline unsigned int
+be16(const unsigned char *p)
+{
+    return ((unsigned int)p[0] << 8) | p[1];
+}
+
+static inline unsigned long
+be32(const unsigned char *p)
+{
+    return ((unsigned long)p[0] << 24) | ((unsigned long)p[1] << 16) | ((unsigned long)p[2] << 8) | p[3];
+}
+
+/* A response header: magic 0x81, the request's opcode and opaque, status 0, CAS 0. */
+static inline char *
+bin_header(char *o, int opcode, unsigned int keylen, int extlen, unsigned long bodylen, const unsigned char *opaque)
+{
+    unsigned char *u = (unsigned char *)o;
+    u[0] = 0x81;
+    u[1] = (unsigned char)opcode;
+    u[2] = (unsigned char)(keylen >> 8);
+    u[3] = (unsigned char)keylen;
+    u[4] = (unsigned char)extlen;
+    u[5] = 0;
+    u[6] = u[7] = 0;
+    u[8] = (unsigned char)(bodylen >> 24);
+    u[9] = (unsigned char)(bodylen >> 16);
+    u[10] = (unsigned char)(bodylen >> 8);
+    u[11] = (unsigned char)bodylen;
+    memcpy(u + 12, opaque, 4);
+    memset(u + 16, 0, 8);
+    return o + BIN_HEADER;
+}
+
 static PyObject *
-TextCore_get_buffer(TextCore *self, void *closure)
+BinaryCore_receive(ConnCore *self, PyObject *data)
+{
+    if (!may_take(self, data))
+        return PyObject_CallMethodOneArg((PyObject *)self, str_receive_slow, data);
+    const unsigned char *p = (const unsigned char *)PyBytes_AS_STRING(data);
+    Py_ssize_t len = PyBytes_GET_SIZE(data), pos = 0;
+    GenCore *gen = self->gen;
+    outbuf out;
+    out.data = out.stack;
+    out.len = 0;
+    out.cap = sizeof(out.stack);
+    while (len - pos >= BIN_HEADER) {
+        const unsigned char *h = p + pos;
+        int opcode = h[1];
+        unsigned int keylen = be16(h + 2);
+        int extlen = h[4];
+        unsigned long bodylen = be32(h + 8);
+        if (h[0] != 0x80 || keylen > BIN_MAX_KEY || bodylen > BIN_MAX_BODY || keylen + extlen > bodylen ||
+            pos + BIN_HEADER + (Py_ssize_t)bodylen > len)
+            break; /* a bad or incomplete request: Python's */
+        if (opcode == OP_NOOP) {
+            if (out_reserve(&out, BIN_HEADER) < 0)
+                goto error;
+            bin_header(out.data + out.len, OP_NOOP, 0, 0, 0, h + 12);
+            out.len += BIN_HEADER;
+            self->activity += 1;
+        } else if (opcode == OP_GET || opcode == OP_GETQ || opcode == OP_GETK || opcode == OP_GETKQ) {
+            int has = gen_has(gen, 1);
+            if (has < 0)
+                goto error;
+            if (!has)
+                break; /* used up or expired: Python refills (and may wait or fail) */
+            unsigned int klen = (opcode == OP_GETK || opcode == OP_GETKQ) ? keylen : 0;
+            if (out_reserve(&out, BIN_HEADER + 4 + klen + 24) < 0)
+                goto error;
+            long long id = gen->next++;
+            int nd = gen_digits(gen, id);
+            char *o = bin_header(out.data + out.len, opcode, klen, 4, 4 + klen + nd, h + 12);
+            memset(o, 0, 4);
+            o += 4;
+            memcpy(o, h + BIN_HEADER + extlen, klen);
+            o += klen;
+            memcpy(o, gen->digits, nd);
+            o += nd;
+            out.len = o - out.data;
+            self->counters->commands += 1;
+            self->counters->ids += 1;
+            self->activity += 1;
+        } else {
+            break; /* any other command: Python's */
+        }
+        pos += BIN_HEADER + (Py_ssize_t)bodylen;
+    }
+    PyObject *result = finish_reply(self, data, pos, &out);
+    out_free(&out);
+    return result;
+error:
+    out_free(&out);
+    return NULL;
+}
+
+static PyObject *
+ConnCore_get_buffer(ConnCore *self, void *closure)
 {
     Py_INCREF(self->buffer);
     return self->buffer;
 }
 
 static int
-TextCore_set_buffer(TextCore *self, PyObject *value, void *closure)
+ConnCore_set_buffer(ConnCore *self, PyObject *value, void *closure)
 {
     if (value == NULL || !PyBytes_Check(value)) {
         PyErr_SetString(PyExc_TypeError, "_buffer must be bytes");
@@ -710,13 +826,13 @@ TextCore_set_buffer(TextCore *self, PyObject *value, void *closure)
 }
 
 static PyObject *
-TextCore_get_closing(TextCore *self, void *closure)
+ConnCore_get_closing(ConnCore *self, void *closure)
 {
     return PyBool_FromLong(self->closing);
 }
 
 static int
-TextCore_set_closing(TextCore *self, PyObject *value, void *closure)
+ConnCore_set_closing(ConnCore *self, PyObject *value, void *closure)
 {
     int v = value == NULL ? -1 : PyObject_IsTrue(value);
     if (v < 0) {
@@ -730,40 +846,66 @@ TextCore_set_closing(TextCore *self, PyObject *value, void *closure)
 
 static PyMethodDef TextCore_methods[] = {
     {"receive", (PyCFunction)TextCore_receive, METH_O, "Take newly arrived bytes; return the reply."},
-    {"_fast_init", (PyCFunction)(void (*)(void))TextCore_fast_init, METH_FASTCALL, NULL},
+    {"_fast_init", (PyCFunction)(void (*)(void))ConnCore_fast_init, METH_FASTCALL, NULL},
     {NULL},
 };
 
-static PyMemberDef TextCore_members[] = {
-    {"wait", T_DOUBLE, offsetof(TextCore, wait), 0, NULL},
-    {"activity", T_LONGLONG, offsetof(TextCore, activity), 0, NULL},
+static PyMemberDef ConnCore_members[] = {
+    {"wait", T_DOUBLE, offsetof(ConnCore, wait), 0, NULL},
+    {"activity", T_LONGLONG, offsetof(ConnCore, activity), 0, NULL},
     {NULL},
 };
 
-static PyGetSetDef TextCore_getset[] = {
-    {"_buffer", (getter)TextCore_get_buffer, (setter)TextCore_set_buffer, NULL, NULL},
-    {"closing", (getter)TextCore_get_closing, (setter)TextCore_set_closing, NULL, NULL},
+static PyGetSetDef ConnCore_getset[] = {
+    {"_buffer", (getter)ConnCore_get_buffer, (setter)ConnCore_set_buffer, NULL, NULL},
+    {"closing", (getter)ConnCore_get_closing, (setter)ConnCore_set_closing, NULL, NULL},
     {NULL},
 };
 
 static PyType_Slot TextCore_slots[] = {
-    {Py_tp_new, TextCore_new},
-    {Py_tp_dealloc, TextCore_dealloc},
-    {Py_tp_traverse, TextCore_traverse},
-    {Py_tp_clear, TextCore_clear},
+    {Py_tp_new, ConnCore_new},
+    {Py_tp_dealloc, ConnCore_dealloc},
+    {Py_tp_traverse, ConnCore_traverse},
+    {Py_tp_clear, ConnCore_clear},
     {Py_tp_methods, TextCore_methods},
-    {Py_tp_members, TextCore_members},
-    {Py_tp_getset, TextCore_getset},
-    {Py_tp_doc, "Fast cases of the memcached text protocol (compiled twin of PyTextCore)."},
+    {Py_tp_members, ConnCore_members},
+    {Py_tp_getset, ConnCore_getset},
+    {Py_tp_doc, "Fast cases of the memcached text protocol (compiled twin of PyConnectionCore)."},
     {0, NULL},
 };
 
 static PyType_Spec TextCore_spec = {
     "katsubushi_py._speedups.TextCore",
-    sizeof(TextCore),
+    sizeof(ConnCore),
     0,
     Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE | Py_TPFLAGS_HAVE_GC,
     TextCore_slots,
+};
+
+static PyMethodDef BinaryCore_methods[] = {
+    {"receive", (PyCFunction)BinaryCore_receive, METH_O, "Take newly arrived bytes; return the reply."},
+    {"_fast_init", (PyCFunction)(void (*)(void))ConnCore_fast_init, METH_FASTCALL, NULL},
+    {NULL},
+};
+
+static PyType_Slot BinaryCore_slots[] = {
+    {Py_tp_new, ConnCore_new},
+    {Py_tp_dealloc, ConnCore_dealloc},
+    {Py_tp_traverse, ConnCore_traverse},
+    {Py_tp_clear, ConnCore_clear},
+    {Py_tp_methods, BinaryCore_methods},
+    {Py_tp_members, ConnCore_members},
+    {Py_tp_getset, ConnCore_getset},
+    {Py_tp_doc, "Fast cases of the memcached binary protocol (compiled twin of PyConnectionCore)."},
+    {0, NULL},
+};
+
+static PyType_Spec BinaryCore_spec = {
+    "katsubushi_py._speedups.BinaryCore",
+    sizeof(ConnCore),
+    0,
+    Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE | Py_TPFLAGS_HAVE_GC,
+    BinaryCore_slots,
 };
 
 /* ------------------------------------------------------------------------------------------------ */
@@ -786,6 +928,10 @@ speedups_exec(PyObject *m)
     if (text == NULL || PyModule_AddType(m, text) < 0)
         return -1;
     Py_DECREF(text);
+    PyTypeObject *binary = (PyTypeObject *)PyType_FromModuleAndSpec(m, &BinaryCore_spec, NULL);
+    if (binary == NULL || PyModule_AddType(m, binary) < 0)
+        return -1;
+    Py_DECREF(binary);
     return 0;
 }
 

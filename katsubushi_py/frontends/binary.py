@@ -44,6 +44,7 @@ from collections.abc import Callable
 
 from ..issuing.errors import ClockWait
 from ..issuing.issuer import Issuer
+from .fastpath import COMPILED, BinaryCore
 
 HEADER = 24
 REQUEST_MAGIC = 0x80
@@ -153,19 +154,15 @@ def value_response(opcode: int, opaque: bytes, key: bytes, id_: int) -> bytes:
     return head + _FLAGS + key + value
 
 
-class BinaryConnection:
+class BinaryConnection(BinaryCore):
     """One client's side of a binary conversation; see the module's docstring for what it answers."""
 
     __slots__ = (
-        "_buffer",
         "_counters",
         "_issuer",
         "_next_id",
         "_next_ids",
         "_version",
-        "activity",
-        "closing",
-        "wait",
     )
 
     def __init__(self, issuer: Issuer) -> None:
@@ -178,9 +175,13 @@ class BinaryConnection:
         self.closing = False
         self.wait = 0.0
         self.activity = 0
+        self._fast_init(issuer.generator, self._counters)
 
-    def receive(self, data: bytes) -> bytes:
-        """Take newly arrived bytes; return the reply to every request complete in them."""
+    def _receive_slow(self, data: bytes) -> bytes:
+        """Take newly arrived bytes; return the reply to every request complete in them.
+
+        This is the whole protocol. The compiled twin's ``receive`` answers what it can of the same
+        input exactly as this would (runs of gets and NOOPs), and hands this method the rest."""
         if self._buffer:
             if self.wait:  # a request is waiting for the clock: keep the order, answer nothing yet
                 self._buffer += data
@@ -206,6 +207,9 @@ class BinaryConnection:
                 self.activity += 1
                 return reply
         return self._receive_all(data)
+
+    if not COMPILED:
+        receive = _receive_slow
 
     def resume(self) -> bytes:
         """After ``wait`` seconds: answer the waiting request and what came after it."""

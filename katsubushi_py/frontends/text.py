@@ -30,11 +30,10 @@ from __future__ import annotations
 
 import binascii
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
-from ..compiled import speedups
 from ..issuing.errors import ClockWait
 from ..issuing.issuer import Issuer
+from .fastpath import COMPILED, TextCore
 
 #: katsubushi serves lines of up to 65,536 bytes including the LF, and drops longer ones.
 MAX_LINE = 65_536
@@ -103,24 +102,7 @@ def render_stats(fields: list[tuple[str, object]]) -> bytes:
     return "".join(lines).encode()
 
 
-class PyTextCore:
-    """The state the compiled twin (``_speedups.TextCore``) keeps in C, so that its fast path reads it
-    without attribute lookups. Here just slots: the pure-Python :meth:`TextConnection.receive` is the
-    whole protocol."""
-
-    __slots__ = ("_buffer", "activity", "closing", "wait")
-
-    def _fast_init(self, generator: object, counters: object, max_line: int, gets_fast: bool) -> None:
-        """The compiled twin takes complete GET/GETS lines itself when it may; nothing to do here."""
-
-
-if TYPE_CHECKING or speedups is None:
-    _TextCore = PyTextCore
-else:
-    _TextCore = speedups.TextCore
-
-
-class TextConnection(_TextCore):
+class TextConnection(TextCore):
     """One client's side of the conversation.
 
     After :meth:`receive`, ``closing`` says the server must close once the reply is written (QUIT,
@@ -221,7 +203,7 @@ class TextConnection(_TextCore):
         out.append(self._hold(data[start:]))
         return b"".join(out)
 
-    if _TextCore is PyTextCore:
+    if not COMPILED:
         receive = _receive_slow
 
     def resume(self) -> bytes:
