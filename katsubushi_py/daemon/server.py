@@ -25,6 +25,7 @@ from ..issuing.errors import GenerationError
 from ..issuing.generator import Generator
 from ..issuing.issuer import Issuer
 from ..leasing import LeaseError, LeaseKeeper
+from .activation import ActivationError, describe, inherited_sockets
 from .connection import ConnectionHandler
 from .stats import Stats
 
@@ -106,6 +107,8 @@ class Daemon:
     async def start(self) -> None:
         config = self.config
         backlog = min(4096, max(128, config.max_connections))
+        if await self._start_inherited(backlog):
+            return
         if config.port is not None:
             try:
                 server = await self.loop.create_server(
@@ -132,6 +135,25 @@ class Daemon:
             if config.sock_mode is not None:
                 os.chmod(config.sock, config.sock_mode)
             self.addresses.append(config.sock)
+
+    async def _start_inherited(self, backlog: int) -> bool:
+        """Serve on the sockets systemd passed (socket activation) instead of binding; False if none."""
+        try:
+            inherited = inherited_sockets()
+        except ActivationError as exc:
+            raise StartupError(str(exc)) from None
+        for sock in inherited:
+            if sock.family == socket.AF_UNIX:
+                server = await self.loop.create_unix_server(lambda: ConnectionHandler(self), sock=sock, backlog=backlog)
+            else:
+                server = await self.loop.create_server(lambda: ConnectionHandler(self), sock=sock, backlog=backlog)
+            self.servers.append(server)
+            self.addresses.append(describe(sock))
+        if inherited:
+            log.info(
+                "serving on %d socket(s) passed by systemd; --host, --port and --sock are not used", len(inherited)
+            )
+        return bool(inherited)
 
     async def close_listeners(self) -> None:
         for server in self.servers:
