@@ -221,6 +221,7 @@ def cmd_health(argv: Sequence[str]) -> int:
 
     parser = build_parser(
         prog=f"{PROG} health",
+        usage=f"{PROG} health [--pid PID | the daemon's flags] [--timeout DURATION]",
         description="Ask a running daemon for one ID, the way it was configured: give this command the"
         " daemon's own flags (or run it with the daemon's environment), or --pid to read both from the"
         " daemon's process. Prints one line; exit status 0 if every listener answered with an ID, else 1.",
@@ -241,8 +242,10 @@ def cmd_health(argv: Sequence[str]) -> int:
             settings = merged_settings(args, os.environ)
             layout = layout_from_args(args)
         else:
+            # Daemon flags that were given: those absent from a bare parse (argparse.SUPPRESS) or changed.
             defaults = vars(parser.parse_args([]))
-            if any(defaults.get(k, k) != v for k, v in vars(args).items() if k not in {"pid", "timeout"}):
+            given = {k for k, v in vars(args).items() if k not in defaults or defaults[k] != v}
+            if given - {"pid", "timeout"}:
                 raise ConfigError("--pid reads the daemon's flags from its process; give no others")
             cmdline, environ = read_process(pid)
             daemon_args = build_parser().parse_args(daemon_arguments(cmdline, pid))
