@@ -5,10 +5,11 @@
     katsubushi-py decode ID...                  one JSON line per ID
     katsubushi-py id-at TIME                    the smallest ID at an instant (or now)
     katsubushi-py partitions --start DATE --days N   MySQL PARTITION BY RANGE COLUMNS(id)
+    katsubushi-py get [-n N] [--servers ...]    fetch IDs from running daemons, one per line
     katsubushi-py help [COMMAND]                what each command takes
 
 Every failure is one line on stderr and a non-zero exit: 2 for bad input or configuration, 1 when
-the daemon cannot start or stops on an error.
+the daemon cannot start or stops on an error (or, for ``get``, when no server could issue IDs).
 """
 
 from __future__ import annotations
@@ -110,6 +111,44 @@ def cmd_partitions(argv: Sequence[str]) -> int:
     return 0
 
 
+# -- get -------------------------------------------------------------------------------------------
+def cmd_get(argv: Sequence[str]) -> int:
+    """Fetch IDs from running daemons (with failover), one per line."""
+    from .client import DEFAULT_SERVERS, SERVERS_ENV, AllServersFailed, Client
+    from .issuing.issuer import MAX_IDS_PER_REQUEST
+
+    parser = _Parser(prog=f"{PROG} get", description="Fetch IDs from katsubushi daemons (with failover).")
+    parser.add_argument("-n", type=int, default=1, help="how many IDs (default 1)")
+    parser.add_argument(
+        "--servers",
+        nargs="+",
+        default=None,
+        help=f"host:port or unix:/path, in order of preference; commas work too (env {SERVERS_ENV};"
+        f" default {DEFAULT_SERVERS[0]})",
+    )
+    parser.add_argument("--timeout", type=float, default=2.0, help="seconds per request, all servers (default 2)")
+    args = parser.parse_args(argv)
+    if args.n < 1:
+        return _fail("-n must be at least 1")
+    servers = args.servers or os.environ.get(SERVERS_ENV) or DEFAULT_SERVERS
+    try:
+        client = Client(servers, timeout=args.timeout)
+    except ValueError as exc:
+        return _fail(str(exc))
+    with client:
+        left = args.n
+        while left:
+            batch = min(left, MAX_IDS_PER_REQUEST)
+            try:
+                ids = client.fetch_many(batch)
+            except AllServersFailed as exc:
+                sys.stdout.flush()
+                return _fail(str(exc), 1)
+            sys.stdout.write("".join(f"{id_}\n" for id_ in ids))
+            left -= batch
+    return 0
+
+
 # -- serve -----------------------------------------------------------------------------------------
 class _JsonFormatter(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
@@ -155,8 +194,6 @@ def run_server(config: ServerConfig) -> int:
     setup_logging(config.log_level, config.log_format)
     log = logging.getLogger("katsubushi_py")
     factory = loop_factory(config.loop)
-    if config.worker_id is not None:
-        log.info("worker id %d from %s", config.worker_id, config.worker_id_source)
 
     def make_generator(worker_id: int) -> Generator:
         return Generator(
@@ -222,9 +259,9 @@ def cmd_health(argv: Sequence[str]) -> int:
     parser = build_parser(
         prog=f"{PROG} health",
         usage=f"{PROG} health [--pid PID | the daemon's flags] [--timeout DURATION]",
-        description="Ask a running daemon for one ID, the way it was configured: give this command the"
-        " daemon's own flags (or run it with the daemon's environment), or --pid to read both from the"
-        " daemon's process. Prints one line; exit status 0 if every listener answered with an ID, else 1.",
+        description="Ask a running daemon for one ID, the way it was configured: give this command the\n"
+        "daemon's own flags (or run it with the daemon's environment), or --pid to read both from the\n"
+        "daemon's process. Prints one line; exit status 0 if every listener answered with an ID, else 1.",
     )
     group = parser.add_argument_group("health check")
     group.add_argument(
@@ -342,6 +379,7 @@ COMMANDS: dict[str, Callable[[Sequence[str]], int]] = {
     "id-at": cmd_id_at,
     "partitions": cmd_partitions,
     "lease": cmd_lease,
+    "get": cmd_get,
     "help": cmd_help,
 }
 

@@ -314,8 +314,8 @@ def test_socket_activation_serves_on_the_inherited_sockets(socket_activate: str,
             proc.kill()
             proc.wait()
     text = log.read_text()
-    assert "serving on 2 socket(s) passed by systemd; --host, --port and --sock are not used" in text, text
-    assert f"serving worker id 12 on 127.0.0.1:{port}, {path}" in text
+    assert "serving memcached on 2 socket(s) passed by systemd; --port and --sock are not used" in text, text
+    assert f"serving worker id 12 from --worker-id on 127.0.0.1:{port}, {path}" in text
     assert os.path.exists(path), "the socket file belongs to systemd and stays"
 
 

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Protocol
 
 from ..frontends.text import TextConnection
 
@@ -22,8 +23,21 @@ log = logging.getLogger("katsubushi_py")
 TOO_MANY_CONNECTIONS = b"SERVER_ERROR too many connections\r\n"
 
 
+class SansIOConnection(Protocol):
+    """What this glue drives: see :class:`~katsubushi_py.frontends.text.TextConnection`."""
+
+    closing: bool
+    wait: float
+    activity: int
+
+    def receive(self, data: bytes) -> bytes: ...
+
+    def resume(self) -> bytes: ...
+
+
 class ConnectionHandler(asyncio.Protocol):
-    """A memcached connection (text protocol)."""
+    """A client connection: memcached (text protocol) unless ``open_protocol`` makes another sans-IO
+    protocol object (HTTP), whose listener also says what a refused connection is told."""
 
     __slots__ = (
         "_conn",
@@ -31,17 +45,26 @@ class ConnectionHandler(asyncio.Protocol):
         "_eof",
         "_idle_handle",
         "_last_activity",
+        "_open_protocol",
         "_receive",
+        "_refusal",
         "_transport",
         "_wait_handle",
         "_write",
         "_write_paused",
     )
 
-    def __init__(self, daemon: Daemon) -> None:
+    def __init__(
+        self,
+        daemon: Daemon,
+        open_protocol: Callable[[], SansIOConnection] | None = None,
+        refusal: bytes = TOO_MANY_CONNECTIONS,
+    ) -> None:
         self._daemon = daemon
+        self._open_protocol = open_protocol
+        self._refusal = refusal
         self._transport: asyncio.Transport | None = None
-        self._conn: TextConnection | None = None
+        self._conn: SansIOConnection | None = None
         self._idle_handle: asyncio.TimerHandle | None = None
         self._wait_handle: asyncio.TimerHandle | None = None
         self._write_paused = False
@@ -55,11 +78,14 @@ class ConnectionHandler(asyncio.Protocol):
         stats = daemon.stats
         if len(daemon.connections) >= daemon.config.max_connections or daemon.stopping:
             stats.rejected_connections += 1
-            tcp.write(TOO_MANY_CONNECTIONS)
+            tcp.write(self._refusal)
             tcp.close()
             return
         self._transport = tcp
-        conn = self._conn = TextConnection(daemon.issuer, gets_cas=daemon.config.gets_cas)
+        if self._open_protocol is not None:
+            conn = self._conn = self._open_protocol()
+        else:
+            conn = self._conn = TextConnection(daemon.issuer, gets_cas=daemon.config.gets_cas)
         # Bound once here rather than looked up on every request.
         self._receive = conn.receive
         self._write = tcp.write

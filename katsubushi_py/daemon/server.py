@@ -99,29 +99,69 @@ class Daemon:
         self._all_closed: asyncio.Event | None = None
         self.addresses: list[str] = []
         self._own_socket = False
+        self.grpc_server: Any = None  # grpc.aio.Server, with the grpc extra
 
     def connection_closed(self) -> None:
         if self._all_closed is not None and not self.connections:
             self._all_closed.set()
 
+    async def _listen_tcp(self, factory: Callable[[], asyncio.Protocol], port: int, scheme: str = "") -> None:
+        host = self.config.host
+        backlog = min(4096, max(128, self.config.max_connections))
+        try:
+            server = await self.loop.create_server(factory, host, port, backlog=backlog, reuse_address=True)
+        except OSError as exc:
+            await self.close_listeners()
+            reason = "address already in use" if exc.errno == errno.EADDRINUSE else (exc.strerror or str(exc))
+            raise StartupError(f"cannot listen on {scheme}{host}:{port}: {reason}") from None
+        self.servers.append(server)
+        for sock in server.sockets:
+            address, bound = sock.getsockname()[:2]
+            self.addresses.append(scheme + (f"[{address}]:{bound}" if ":" in address else f"{address}:{bound}"))
+
+    async def _start_http(self, port: int) -> None:
+        """The HTTP API: its connections go through the same glue as memcached's (limit, counters,
+        idle timeout, flow control, clock waits). prometheus-client loads only here."""
+        from ..frontends.http import TOO_MANY_CONNECTIONS, HttpApi, HttpConnection
+        from .metrics import make_registry, metrics_renderer
+
+        protocols = ("text", "http", "grpc") if self.config.grpc_port is not None else ("text", "http")
+        api = HttpApi(self.issuer, metrics_renderer(make_registry(self.stats, self.issuer, protocols)))
+        await self._listen_tcp(
+            lambda: ConnectionHandler(self, lambda: HttpConnection(api), TOO_MANY_CONNECTIONS), port, "http://"
+        )
+
+    async def _start_grpc(self, port: int) -> None:
+        from ..frontends.grpc_service import GrpcListenError, start_grpc_server
+
+        config = self.config
+        try:
+            self.grpc_server, bound = await start_grpc_server(
+                self.issuer,
+                config.host,
+                port,
+                idle_timeout=config.idle_timeout,
+                max_concurrent_rpcs=config.max_connections,
+            )
+        except GrpcListenError as exc:
+            await self.close_listeners()
+            raise StartupError(str(exc)) from None
+        self.addresses.append(
+            f"grpc://[{config.host}]:{bound}" if ":" in config.host else f"grpc://{config.host}:{bound}"
+        )
+
     async def start(self) -> None:
         config = self.config
         backlog = min(4096, max(128, config.max_connections))
-        if await self._start_inherited(backlog):
-            return
-        if config.port is not None:
-            try:
-                server = await self.loop.create_server(
-                    lambda: ConnectionHandler(self), config.host, config.port, backlog=backlog, reuse_address=True
-                )
-            except OSError as exc:
-                reason = "address already in use" if exc.errno == errno.EADDRINUSE else (exc.strerror or str(exc))
-                raise StartupError(f"cannot listen on {config.host}:{config.port}: {reason}") from None
-            self.servers.append(server)
-            for sock in server.sockets:
-                host, port = sock.getsockname()[:2]
-                self.addresses.append(f"[{host}]:{port}" if ":" in host else f"{host}:{port}")
-        if config.sock:
+        # Socket activation replaces the memcached listeners (--port, --sock); HTTP and gRPC bind as usual.
+        activated = await self._start_inherited(backlog)
+        if config.port is not None and not activated:
+            await self._listen_tcp(lambda: ConnectionHandler(self), config.port)
+        if config.http_port is not None:
+            await self._start_http(config.http_port)
+        if config.grpc_port is not None:
+            await self._start_grpc(config.grpc_port)
+        if config.sock and not activated:
             prepare_unix_socket(config.sock)
             try:
                 server = await self.loop.create_unix_server(
@@ -151,7 +191,7 @@ class Daemon:
             self.addresses.append(describe(sock))
         if inherited:
             log.info(
-                "serving on %d socket(s) passed by systemd; --host, --port and --sock are not used", len(inherited)
+                "serving memcached on %d socket(s) passed by systemd; --port and --sock are not used", len(inherited)
             )
         return bool(inherited)
 
@@ -173,6 +213,8 @@ class Daemon:
         self.issuer.unavailable = "shutting down"
         for server in self.servers:
             server.close()
+        # gRPC calls in flight get the same grace, at the same time.
+        grpc_stopped = asyncio.ensure_future(self.grpc_server.stop(grace)) if self.grpc_server is not None else None
         self._all_closed = asyncio.Event()
         if self.connections:
             for handler in list(self.connections):
@@ -182,6 +224,9 @@ class Daemon:
             for handler in list(self.connections):
                 handler.abort()
         await self.close_listeners()
+        if grpc_stopped is not None:
+            await grpc_stopped
+            self.grpc_server = None
 
 
 async def _lease_generator(
@@ -244,9 +289,10 @@ async def serve(
         raise_fd_limit(config.max_connections + _SPARE_FDS)
         await daemon.start()
         log.info(
-            "katsubushi-py %s serving worker id %d on %s (loop %s)",
+            "katsubushi-py %s serving worker id %d from %s on %s (loop %s)",
             __version__,
             generator.worker_id,
+            config.worker_id_source,
             ", ".join(daemon.addresses),
             type(loop).__module__.split(".")[0],
         )
