@@ -11,8 +11,10 @@ RUN pip wheel --no-cache-dir --no-deps --wheel-dir /wheels .
 
 FROM python:3.12-slim-bookworm
 COPY --from=build /wheels /wheels
-# /data holds the state file (a high-water mark, so a restarted container never reissues IDs).
-RUN pip install --no-cache-dir /wheels/*.whl \
+# The wheel just built, with the grpc extra (for --grpc-port). /data holds the state file (a
+# high-water mark, so a restarted container never reissues IDs).
+RUN set -- /wheels/katsubushi_py-*.whl \
+    && pip install --no-cache-dir "katsubushi-py[grpc] @ file://$1" \
     && rm -rf /wheels \
     && mkdir /data \
     && chown 10001:10001 /data \
@@ -22,6 +24,7 @@ ENV PYTHONUNBUFFERED=1 \
 VOLUME /data
 # Numeric, so that Kubernetes' runAsNonRoot can check it; no entry in /etc/passwd is needed.
 USER 10001:10001
+# memcached protocol; --http-port and --grpc-port (off unless given) are published the same way.
 EXPOSE 11212
 # The daemon (process 1) answers what it received, stores its final mark and exits 0 on SIGTERM.
 STOPSIGNAL SIGTERM

@@ -70,9 +70,14 @@ def test_wheel_contains_every_subpackage_and_module(built: Built) -> None:
         assert f"katsubushi_py/{layer}" in packages
     for package in packages:
         assert f"{package}/__init__.py" in names, package
-    modules = {str(p.relative_to(ROOT)) for p in (ROOT / "katsubushi_py").rglob("*.py")}
-    assert modules <= names, sorted(modules - names)
-    assert "katsubushi_py/py.typed" in names
+    # Every file of the package: modules, py.typed, the gRPC service's .proto.
+    files = {
+        str(p.relative_to(ROOT))
+        for p in (ROOT / "katsubushi_py").rglob("*")
+        if p.is_file() and "__pycache__" not in p.parts and not p.name.endswith((".pyc", ".so"))
+    }
+    assert {"katsubushi_py/py.typed", "katsubushi_py/cli.py"} <= files
+    assert files <= names, sorted(files - names)
     assert not any(name.startswith(("tests/", "bench/")) for name in names)
     dist_info = f"katsubushi_py-{katsubushi_py.__version__}.dist-info"
     assert f"{dist_info}/licenses/LICENSE" in names
