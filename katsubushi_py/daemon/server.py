@@ -27,7 +27,7 @@ from ..issuing.issuer import Issuer
 from ..leasing import LeaseError, LeaseKeeper
 from .activation import ActivationError, describe, inherited_sockets
 from .connection import ConnectionHandler
-from .stats import Stats
+from .stats import Stats, settings_fields
 
 log = logging.getLogger("katsubushi_py")
 
@@ -93,6 +93,7 @@ class Daemon:
         self.loop = loop
         self.stats = Stats(self.issuer, config.max_connections, config.idle_timeout)
         self.issuer.stats_fields = self.stats.fields
+        self.issuer.settings_fields = lambda: settings_fields(config)
         self.connections: set[ConnectionHandler] = set()
         self.servers: list[asyncio.AbstractServer] = []
         self.stopping = False
@@ -125,7 +126,8 @@ class Daemon:
         from ..frontends.http import TOO_MANY_CONNECTIONS, HttpApi, HttpConnection
         from .metrics import make_registry, metrics_renderer
 
-        protocols = ("text", "http", "grpc") if self.config.grpc_port is not None else ("text", "http")
+        memcached = ("text", "binary", "meta")  # the memcached listeners serve all three
+        protocols = (*memcached, "http", "grpc") if self.config.grpc_port is not None else (*memcached, "http")
         api = HttpApi(self.issuer, metrics_renderer(make_registry(self.stats, self.issuer, protocols)))
         await self._listen_tcp(
             lambda: ConnectionHandler(self, lambda: HttpConnection(api), TOO_MANY_CONNECTIONS), port, "http://"
