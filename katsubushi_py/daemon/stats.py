@@ -16,6 +16,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from ..compiled import IMPLEMENTATION
 from ..ids.layout import format_time
 from ..issuing.issuer import Issuer
 
@@ -80,6 +81,7 @@ class Stats:
             ("max_connections", self.max_connections),
             ("rejected_connections", self.rejected_connections),
             ("idle_timeout", int(self.idle_timeout)),
+            ("implementation", IMPLEMENTATION),  # "compiled" or "python": which hot path runs
             *(self.extra() if self.extra is not None else ()),
         ]
 

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Protocol
 
 from ..compiled import FREE_THREADED, speedups
 from ..ids.layout import DEFAULT_LAYOUT, Layout, format_time, ms_to_datetime
+from .bucket import PyGeneratorCore
 from .errors import (
     ClockMovedBackwardsError,
     ClockWait,
@@ -28,7 +29,6 @@ from .errors import (
     LeaseNotConfirmedError,
     StateFileError,
 )
-from .bucket import PyGeneratorCore
 from .statefile import StateFile
 
 __all__ = [
@@ -54,10 +54,7 @@ _SLEEP_MARGIN_NS = 100_000
 _BLOCK_AT_MOST_NS = 2_000_000
 
 # The bucket and the fast path: compiled where built, else the pure-Python reference (same behaviour).
-if TYPE_CHECKING or speedups is None:
-    _GeneratorCore = PyGeneratorCore
-else:
-    _GeneratorCore = speedups.GeneratorCore
+_GeneratorCore = PyGeneratorCore if TYPE_CHECKING or speedups is None else speedups.GeneratorCore
 
 
 class Clock(Protocol):

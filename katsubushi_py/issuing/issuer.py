@@ -62,10 +62,7 @@ class PyCounters:
         self.failures: dict[str, int] = {}  # requests that got no IDs, by reason
 
 
-if TYPE_CHECKING or speedups is None:
-    Counters = PyCounters
-else:
-    Counters = speedups.Counters
+Counters = PyCounters if TYPE_CHECKING or speedups is None else speedups.Counters
 
 
 class Issuer:

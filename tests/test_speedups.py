@@ -1,0 +1,126 @@
+"""The compiled hot path and its pure-Python twin answer every conversation byte for byte alike.
+
+Thousands of generated conversations (fast-path gets in every spelling, everything the fast path must
+leave to Python, reads split anywhere, buckets used up and expired, clocks behind) are played once
+with ``katsubushi_py._speedups`` and once with ``KATSUBUSHI_NO_EXTENSIONS=1``; replies, connection
+state and counters must be identical. The rest of the suite runs both ways in ``.ci/run``.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import random
+import struct
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from katsubushi_py.compiled import FREE_THREADED
+
+HARNESS = Path(__file__).with_name("speedups_harness.py")
+
+# Whether the module is built, whatever KATSUBUSHI_NO_EXTENSIONS says for this run of the suite.
+BUILT = importlib.util.find_spec("katsubushi_py._speedups") is not None and not FREE_THREADED
+pytestmark = pytest.mark.skipif(not BUILT, reason="katsubushi_py._speedups is not built here")
+
+WS = [b" ", b"  ", b"\t", b" \t ", b"\x0b", b"\x0c", b"\r"]
+
+
+def text_line(rng: random.Random) -> bytes:
+    kind = rng.random()
+    keys = [bytes(rng.choice(b"abcxyz019_-:\x01\xff") for _ in range(rng.randint(1, 12))) for _ in range(140)]
+    if kind < 0.55:  # gets the fast path may take
+        word = rng.choice([b"get", b"GET", b"Get", b"gEt", b"gets", b"GETS", b"Gets"])
+        count = rng.choice([1, 1, 1, 2, 3, 5, 17, 100, 128, 129, 140])
+        parts = [word, *keys[:count]]
+        line = rng.choice(WS[:3]).join(parts)
+        if rng.random() < 0.3:
+            line = rng.choice(WS) + line
+        if rng.random() < 0.3:
+            line += rng.choice(WS)
+    elif kind < 0.65:
+        line = rng.choice([b"get", b"GET", b"gets", b" get ", b"getx a", b"ge a", b"gett a", b"g\xc5t a"])
+    elif kind < 0.8:
+        line = rng.choice([b"version", b"VERSION", b"quit", b"", b"   ", b"foo bar", b"set a 0 0 1", b"mn"])
+    elif kind < 0.9:
+        flags = b" ".join(rng.sample([b"v", b"k", b"q", b"f", b"s", b"t", b"O123", b"c"], rng.randint(0, 4)))
+        line = b"mg " + keys[0] + (b" " + flags if flags else b"")
+    else:
+        line = b"ms " + keys[0] + b" 3\r\nabc"
+    return line + rng.choice([b"\r\n", b"\n"])
+
+
+def binary_packet(rng: random.Random) -> bytes:
+    opcode = rng.choice([0x00, 0x00, 0x09, 0x0C, 0x0D, 0x0D, 0x0A, 0x0B, 0x01, 0x07, 0x17, 0x42])
+    key = bytes(rng.choice(b"abcdef0123") for _ in range(rng.choice([0, 1, 5, 250])))
+    extras = b"\x00" * rng.choice([0, 0, 4])
+    if rng.random() < 0.03:
+        return struct.pack(">BBHBBHII8s", 0x80, opcode, 251, 0, 0, 0, 251, 7, b"")  # key too long
+    if rng.random() < 0.02:
+        return b"\x81" + b"\x00" * 23  # bad magic
+    body = extras + key
+    opaque = rng.getrandbits(32)
+    return struct.pack(">BBHBBHII8s", 0x80, opcode, len(key), len(extras), 0, 0, len(body), opaque, b"") + body
+
+
+def split(data: bytes, rng: random.Random) -> list[bytes]:
+    if rng.random() < 0.6 or len(data) < 2:
+        return [data]
+    cuts = sorted(rng.sample(range(1, len(data)), min(len(data) - 1, rng.randint(1, 4))))
+    return [data[a:b] for a, b in zip([0, *cuts], [*cuts, len(data)], strict=True)]
+
+
+def conversation(rng: random.Random) -> dict[str, object]:
+    protocol = rng.choice(["text", "binary"])
+    steps = []
+    for _ in range(rng.randint(1, 12)):
+        make = text_line if protocol == "text" else binary_packet
+        data = b"".join(make(rng) for _ in range(rng.choice([1, 1, 1, 2, 4, 16])))
+        for piece in split(data, rng):
+            advance = rng.choice([0, 0, 0, 1_000, 400_000, 1_000_000, 2_500_000])
+            step_back = rng.choice([0] * 30 + [1, 5, 200, 3000])
+            steps.append([piece.hex(), advance, step_back])
+    return {"protocol": protocol, "sequence_bits": rng.choice([2, 4, 12]), "steps": steps}
+
+
+def play(conversations: list[dict[str, object]], **env: str) -> dict[str, object]:
+    out = subprocess.run(
+        [sys.executable, str(HARNESS)],
+        input=json.dumps(conversations),
+        capture_output=True,
+        text=True,
+        env={**os.environ, **env},
+        check=True,
+    )
+    return json.loads(out.stdout)
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_compiled_and_pure_python_answer_alike(seed: int) -> None:
+    rng = random.Random(seed)
+    conversations = [conversation(rng) for _ in range(700)]
+    compiled = play(conversations, KATSUBUSHI_NO_EXTENSIONS="0")
+    pure = play(conversations, KATSUBUSHI_NO_EXTENSIONS="1")
+    assert (compiled["implementation"], pure["implementation"]) == ("compiled", "python")
+    answered = sum(1 for conv in pure["results"] for step in conv if step[0])  # type: ignore[union-attr]
+    assert answered > 1000  # the conversations really exercised the protocols
+    for i, (a, b) in enumerate(zip(compiled["results"], pure["results"], strict=True)):  # type: ignore[arg-type]
+        assert a == b, f"conversation {i} differs: {conversations[i]}"
+
+
+def test_stats_say_which_hot_path_runs(daemons) -> None:  # type: ignore[no-untyped-def]
+    from conftest import recv_until
+
+    def implementation(extensions: str) -> str:
+        daemon = daemons.start(env={"KATSUBUSHI_NO_EXTENSIONS": extensions})
+        with daemon.connect() as s:
+            s.sendall(b"stats\r\n")
+            lines = recv_until(s, b"END\r\n").decode().split("\r\n")
+        return dict(line.split(" ", 2)[1:] for line in lines if line.startswith("STAT "))["implementation"]
+
+    assert implementation("1") == "python"
+    assert implementation("0") == "compiled"
