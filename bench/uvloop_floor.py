@@ -22,11 +22,16 @@ class ConstantReply(asyncio.Protocol):
         self.write(REPLY)
 
 
-async def main(port: int) -> None:
-    server = await asyncio.get_running_loop().create_server(ConstantReply, "127.0.0.1", port)
+async def main(port: int, path: str | None) -> None:
+    loop = asyncio.get_running_loop()
+    if path:
+        server = await loop.create_unix_server(ConstantReply, path)
+    else:
+        server = await loop.create_server(ConstantReply, "127.0.0.1", port)
     async with server:
         await server.serve_forever()
 
 
 if __name__ == "__main__":
-    uvloop.run(main(int(sys.argv[1])))
+    # uvloop_floor.py PORT [UNIX_SOCKET_PATH]: the unix socket instead of the port when given
+    uvloop.run(main(int(sys.argv[1]), sys.argv[2] if len(sys.argv) > 2 else None))
