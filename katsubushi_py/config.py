@@ -8,6 +8,7 @@ lower case); a flag wins over the environment. Every problem becomes one :class:
 from __future__ import annotations
 
 import argparse
+import os
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -31,8 +32,20 @@ LOG_LEVELS = {
     "critical": "CRITICAL",
 }
 
-# Flags whose value go-katsubushi also reads from the environment (name upper or lower case).
-ENV_FLAGS = ("worker_id", "port", "sock", "idle_timeout", "log_level", "redis", "min_worker_id", "max_worker_id")
+# Flags whose value go-katsubushi also reads from the environment (name upper or lower case), and ours.
+ENV_FLAGS = (
+    "worker_id",
+    "port",
+    "sock",
+    "idle_timeout",
+    "log_level",
+    "redis",
+    "min_worker_id",
+    "max_worker_id",
+    "state_dir",
+)
+
+APP_DIR = "katsubushi-py"
 
 
 class ConfigError(ValueError):
@@ -84,7 +97,10 @@ class ServerConfig:
     max_connections: int = DEFAULT_MAX_CONNECTIONS
     log_level: str = "INFO"
     log_format: str = "text"
-    state_file: str | None = None
+    state_file: str | None = None  # --state-file: one file, for a static worker id
+    state_dir: str | None = None  # a file per worker id in it (the default; None with --no-state-file)
+    state_dir_source: str = ""  # where state_dir came from, for the start-up log line
+    state_file_new_worker_id: bool = False  # accept a state file written for another worker id
     max_clock_wait: float = 1.0
     layout: Layout = DEFAULT_LAYOUT
     loop: str = "auto"
@@ -161,9 +177,24 @@ def build_parser() -> argparse.ArgumentParser:
     _flag(parser, "log-format", metavar="FORMAT", choices=["text", "json"], help="text or json (default text)")
     _flag(
         parser,
-        "state-file",
-        metavar="PATH",
-        help="keep a high-water mark here so a restart never reissues IDs",
+        "state-dir",
+        metavar="DIR",
+        help="keep a high-water mark per worker id in DIR/worker-<id>.state so a restart never reissues IDs"
+        " (env STATE_DIR; default $STATE_DIRECTORY, /var/lib/katsubushi-py for root, else"
+        " $XDG_STATE_HOME/katsubushi-py or ~/.local/state/katsubushi-py)",
+    )
+    _flag(parser, "state-file", metavar="PATH", help="one state file instead of a directory (static --worker-id)")
+    parser.add_argument(
+        "--no-state-file",
+        action="store_true",
+        default=False,
+        help="keep no state: a restart after the clock stepped back can reissue IDs",
+    )
+    parser.add_argument(
+        "--state-file-new-worker-id",
+        action="store_true",
+        default=False,
+        help="accept a state file written for another worker id (after changing this daemon's worker id)",
     )
     _flag(
         parser,
@@ -279,6 +310,7 @@ def parse_server_config(
     if level_name not in LOG_LEVELS:
         raise ConfigError(f"invalid log level {level_name!r}: use debug, info, warn, error")
     max_conn = _int(given.get("max_connections", DEFAULT_MAX_CONNECTIONS), "max connections", 1)
+    state_file, state_dir, state_source = _state_config(given, lease is not None, environ)
 
     config = ServerConfig(
         worker_id=worker_id,
@@ -290,7 +322,10 @@ def parse_server_config(
         max_connections=max_conn,
         log_level=LOG_LEVELS[level_name],
         log_format=str(given.get("log_format", "text")),
-        state_file=given.get("state_file") or None,
+        state_file=state_file,
+        state_dir=state_dir,
+        state_dir_source=state_source,
+        state_file_new_worker_id=bool(args.state_file_new_worker_id),
         max_clock_wait=max_wait,
         layout=layout,
         loop=str(given.get("loop", "auto")),
@@ -298,6 +333,48 @@ def parse_server_config(
         lease=lease,
     )
     return config, args
+
+
+def default_state_dir(environ: Mapping[str, str], euid: int) -> tuple[str, str]:
+    """Where state lives when no flag says: (directory, where that came from).
+
+    systemd's ``StateDirectory=`` sets ``$STATE_DIRECTORY`` (a colon-separated list when it names
+    several; the first is ours); root uses /var/lib, anyone else the XDG state directory."""
+    systemd = environ.get("STATE_DIRECTORY", "").split(":")[0]
+    if systemd:
+        return systemd, "$STATE_DIRECTORY"
+    if euid == 0:
+        return f"/var/lib/{APP_DIR}", "default for root"
+    xdg = environ.get("XDG_STATE_HOME", "")
+    if xdg and os.path.isabs(xdg):
+        return os.path.join(xdg, APP_DIR), "$XDG_STATE_HOME"
+    home = environ.get("HOME") or os.path.expanduser("~")
+    return os.path.join(home, ".local", "state", APP_DIR), "default"
+
+
+def _state_config(
+    given: dict[str, object], leased: bool, environ: Mapping[str, str]
+) -> tuple[str | None, str | None, str]:
+    """(state file, state directory, source of the directory): exactly one of the first two, or
+    neither with --no-state-file."""
+    state_file = str(given.get("state_file") or "") or None
+    state_dir = str(given.get("state_dir") or "") or None
+    if given.get("no_state_file"):
+        if state_file or state_dir:
+            raise ConfigError("--no-state-file cannot be combined with --state-file or --state-dir")
+        return None, None, ""
+    if state_file and state_dir:
+        raise ConfigError("use either --state-file or --state-dir, not both")
+    if state_file:
+        if leased:
+            raise ConfigError(
+                "--state-file is for a static --worker-id; with --redis use --state-dir (a file per leased worker id)"
+            )
+        return state_file, None, ""
+    if state_dir:
+        return None, state_dir, "--state-dir or STATE_DIR"
+    directory, source = default_state_dir(environ, os.geteuid())
+    return None, directory, source
 
 
 def _lease_config(given: dict[str, object], layout: Layout) -> LeaseConfig | None:

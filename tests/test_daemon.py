@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import DaemonFactory, decode, free_port, parse_values, recv_all, recv_until
+from conftest import DaemonFactory, daemon_env, decode, free_port, parse_values, recv_all, recv_until
 
 
 def get(sock: socket.socket, *keys: bytes) -> list[int]:
@@ -310,10 +310,12 @@ def test_both_event_loops(daemons: DaemonFactory) -> None:
 
 
 def run_cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    full_env = {k: v for k, v in os.environ.items() if k.upper() not in {"WORKER_ID", "PORT", "SOCK"}}
-    full_env.update(env or {})
     return subprocess.run(
-        [sys.executable, "-m", "katsubushi_py", *args], capture_output=True, text=True, timeout=30, env=full_env
+        [sys.executable, "-m", "katsubushi_py", *args],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        env=daemon_env(None, env),
     )
 
 
@@ -382,7 +384,7 @@ def run_with_nofile_limit(soft: int, hard: int) -> tuple[str, bytes, int]:
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
 
     cmd = [sys.executable, "-m", "katsubushi_py", "--worker-id", "1", "--port", str(port), "--max-connections", "2000"]
-    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, preexec_fn=limit)
+    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, preexec_fn=limit, env=daemon_env())
     try:
         wait_for_port(port, proc)
         limits = Path(f"/proc/{proc.pid}/limits").read_text()
@@ -409,7 +411,8 @@ def test_json_log_format(daemons: DaemonFactory) -> None:
     d = daemons.start("--log-format", "json")
     assert d.stop() == 0
     records = [json.loads(line) for line in d.stderr().splitlines()]
-    assert records[0]["level"] == "info" and "serving worker id 7" in records[0]["msg"]
+    assert records[0]["level"] == "info" and records[0]["msg"].startswith("state file ")
+    assert records[1]["level"] == "info" and "serving worker id 7" in records[1]["msg"]
     assert records[-1]["msg"] == "stopped"
     assert all(r["time"].endswith("Z") for r in records)
 

@@ -24,6 +24,7 @@ from ..config import ServerConfig
 from ..issuing.errors import GenerationError
 from ..issuing.generator import Generator
 from ..issuing.issuer import Issuer
+from ..issuing.statefile import StateFile
 from ..leasing import LeaseError, LeaseKeeper
 from .connection import ConnectionHandler
 from .stats import Stats
@@ -162,11 +163,9 @@ class Daemon:
         await self.close_listeners()
 
 
-async def _lease_generator(
-    keeper: LeaseKeeper, make_generator: Callable[[int], Generator], stop: asyncio.Event
-) -> Generator | None:
-    """Lease a worker id and wait out its delay; None if asked to stop meanwhile."""
-    starting = asyncio.ensure_future(keeper.start(make_generator))
+async def _start_lease(keeper: LeaseKeeper, generator: Generator, stop: asyncio.Event) -> bool:
+    """Lease a worker id for ``generator`` and wait out its delay; False if asked to stop meanwhile."""
+    starting = asyncio.ensure_future(keeper.start(generator))
     stopping = asyncio.ensure_future(stop.wait())
     try:
         await asyncio.wait({starting, stopping}, return_when=asyncio.FIRST_COMPLETED)
@@ -176,23 +175,25 @@ async def _lease_generator(
         starting.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await starting
-        return None
+        return False
     try:
-        return starting.result()
+        starting.result()
     except (LeaseError, GenerationError) as exc:
         raise StartupError(str(exc)) from None
     except Exception as exc:  # the Redis client's connection and protocol errors
         raise StartupError(f"cannot lease a worker id from {keeper.target.display}: {exc}") from None
+    return True
 
 
 async def serve(
     config: ServerConfig,
-    generator: Generator | None,
-    make_generator: Callable[[int], Generator] | None = None,
+    generator: Generator,
     ready: Any = None,
+    *,
+    claim_state: Callable[[int], StateFile] | None = None,
 ) -> None:
-    """Run until SIGTERM or SIGINT, then stop gracefully. With ``config.lease`` the generator is made
-    by ``make_generator`` once a worker id is leased."""
+    """Run until SIGTERM or SIGINT, then stop gracefully. With ``config.lease`` the generator (made
+    fenced) serves once a worker id is leased; ``claim_state`` gives each leased id's state file."""
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     for signum in (signal.SIGTERM, signal.SIGINT):
@@ -210,12 +211,10 @@ async def serve(
                 wait_for_free_id=lease.wait_for_free_id,
                 skew_warn=lease.clock_skew_warn,
                 skew_max=lease.clock_skew_max,
+                claim_state=claim_state,
             )
-            assert make_generator is not None
-            generator = await _lease_generator(keeper, make_generator, stop)
-            if generator is None:
+            if not await _start_lease(keeper, generator, stop):
                 return
-        assert generator is not None
         daemon = Daemon(config, generator, loop)
         if keeper is not None:
             daemon.stats.extra = keeper.stat_fields
@@ -236,12 +235,9 @@ async def serve(
         if daemon is not None:
             await daemon.stop()
         if keeper is not None:
-            gen = keeper.generator
-            last_ms = 0
-            if gen is not None:
-                with contextlib.suppress(GenerationError):
-                    gen.close()
-                last_ms = gen.last_issued_ms or 0
+            with contextlib.suppress(GenerationError):
+                generator.close()
+            last_ms = generator.last_issued_ms or 0
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(keeper.stop(last_ms), 1.5)
         for signum in (signal.SIGTERM, signal.SIGINT):

@@ -15,6 +15,14 @@ scripts, every script reading Redis's own ``TIME`` so all daemons share one cloc
 - **Delay.** After acquiring an id whose lease ended less than ``delay`` ago (by Redis time), wait out
   the rest before serving, so a previous holder that lost its lease has certainly fenced itself. A
   cleanly released id, or one unused for longer, needs no wait.
+- **Data loss.** What Redis has forgotten is treated as unsafe (see :mod:`.scripts`): a pool that
+  vanished or was created anew, a record that lost its owner entry or its mark: no daemon serves
+  under the ids concerned until the lease TTL plus twice the allowed clock skew has passed on Redis's
+  clock since the loss was seen. Each loss is logged as an ERROR and counted.
+- **Local memory.** With a state directory, each leased id's state file (locked while we hold the id)
+  keeps the last millisecond this host may have issued under it; we never issue under the id at or
+  below that, whatever Redis says. An id whose file another daemon of this host holds is a conflict:
+  it is quarantined in Redis and another one leased.
 - **Replicas.** If the Redis master has replicas, each acquire and renew waits (``WAIT``, on the same
   connection as the write) for a majority of them; a failed wait is a failed renew, never a success.
 
@@ -31,13 +39,19 @@ import secrets
 import socket
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
+from ..ids.layout import format_time, ms_to_datetime
+from ..issuing.errors import StateFileError
+from ..issuing.generator import Generator
+from ..issuing.statefile import StateFile, StateFileInUse
 from .scripts import ACQUIRE_LUA, INIT_LUA, RELEASE_LUA, RENEW_LUA, run_script
 from .target import LeaseError, NoFreeWorkerId, RedisTarget, connect
 
 log = logging.getLogger("katsubushi_py")
+
+NOT_CONFIRMED = "worker id lease not confirmed"
 
 
 @dataclass(frozen=True)
@@ -73,13 +87,30 @@ class Lease:
 
 
 @dataclass
+class Acquired:
+    """One acquire's answer, on Redis's clock (unix ms)."""
+
+    lease: Lease
+    now_ms: int
+    prev_expiry_ms: int  # when the previous holder's lease ended
+    handover_ms: int  # issue strictly after this (previous holder's mark, or the recovery mark)
+    clean: bool  # released cleanly (or quarantined): no delay needed
+    recovering_until_ms: int  # the pool's barrier: nobody serves before it
+    created: int  # 0, 1 (no pool existed) or 2 (re-created after a loss this daemon knew of)
+    quarantined: list[int] = field(default_factory=list)
+
+
+@dataclass
 class LeaseStats:
     renewals: int = 0
     renew_failures: int = 0
     worker_id_changes: int = 0
     acquires: int = 0
+    data_loss_events: int = 0  # losses this daemon saw: a pool or record that Redis forgot
+    state_file_conflicts: int = 0  # leased ids whose state file another local daemon held
     deadline_mono: float = 0.0  # monotonic seconds: no ID may be issued from then on
-    serve_after: float = 0.0  # monotonic seconds: the delay after acquiring ends
+    serve_after: float = 0.0  # monotonic seconds: the delay (or the recovery) after acquiring ends
+    recovering_until: float = 0.0  # monotonic seconds: the pool's data-loss barrier
     next_renew: float = 0.0
 
 
@@ -88,9 +119,21 @@ def new_token() -> str:
     return f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(8)}"
 
 
+def new_epoch() -> str:
+    """A pool's identity: random, so a pool created anew never looks like the one before."""
+    return secrets.token_hex(8)
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
 class LeaseKeeper:
     """Acquires a worker id, renews it, fences the generator when the lease is not confirmed, and
-    moves to a new id when the lease is lost. Runs on the daemon's event loop."""
+    moves to a new id when the lease is lost. Runs on the daemon's event loop.
+
+    ``claim_state(worker_id)`` (a :meth:`StateDirectory.claim`) gives the locked state file of a
+    leased id; None runs without local memory."""
 
     def __init__(
         self,
@@ -102,6 +145,7 @@ class LeaseKeeper:
         wait_for_free_id: bool = True,
         skew_warn: float = 0.5,
         skew_max: float = 5.0,
+        claim_state: Callable[[int], StateFile] | None = None,
     ) -> None:
         timings.check()
         self.target = target
@@ -112,13 +156,26 @@ class LeaseKeeper:
         self.wait_for_free_id = wait_for_free_id
         self.skew_warn = skew_warn
         self.skew_max = skew_max
+        self.claim_state = claim_state
         self.client: Any = None
         self.lease: Lease | None = None
         self.stats = LeaseStats()
+        self.epoch = ""  # the pool identity we leased under ("" before the first acquire)
+        self.version_seen = 0  # the pool's highest write counter we saw: lower later means rolled back
         self._stopping = False
         self._task: asyncio.Task[None] | None = None
-        self._confirmed = asyncio.Event()
-        self.generator: Any = None
+        self._serving = asyncio.Event()
+        self.generator: Generator | None = None
+
+    @property
+    def recovery_wait(self) -> float:
+        """After data loss, how long nobody serves: every earlier holder's lease has run out (one TTL)
+        and its last ID is below any holder's clock (the allowed skew, on both sides)."""
+        return self.timings.ttl + 2 * self.skew_max
+
+    def _ms(self) -> tuple[int, int, int]:
+        """(ttl, recovery wait, skew) in ms, as the scripts take them."""
+        return int(self.timings.ttl * 1000), int(self.recovery_wait * 1000), int(self.skew_max * 1000)
 
     # -- connection ----------------------------------------------------------------------------
     async def _client(self) -> Any:
@@ -148,17 +205,13 @@ class LeaseKeeper:
             log.warning("local clock differs from Redis TIME by %+.3fs", skew)
         return skew
 
-    async def init_pool(self) -> int:
-        """Create the pool for [min, max] if it does not exist; returns how many ids were added."""
-        client = await self._client()
-        return int(await client.eval(INIT_LUA, 2, self.keys.ids, self.keys.stats, self.min_id, self.max_id))
-
     # -- acquire ---------------------------------------------------------------------------------
-    async def acquire(self) -> tuple[Lease, int, float]:
-        """Lease a worker id. Returns (lease, previous holder's last ms, seconds to wait before
-        serving). Retries at the renew interval while the pool is empty, unless told not to wait."""
+    async def acquire(self) -> Acquired:
+        """Lease a worker id. Retries at the renew interval while the pool is empty, unless told not
+        to wait. Logs (and counts) what it found lost or damaged on the way."""
         keys = self.keys
         announced = False
+        ttl_ms, wait_ms, skew_ms = self._ms()
         while True:
             token = new_token()
             try:
@@ -166,8 +219,8 @@ class LeaseKeeper:
                 result, problem = await run_script(
                     client,
                     ACQUIRE_LUA,
-                    [keys.ids, keys.owners, keys.last, keys.released, keys.stats],
-                    [token, int(self.timings.ttl * 1000), self.min_id, self.max_id],
+                    keys.all,
+                    [token, ttl_ms, self.min_id, self.max_id, self.epoch, wait_ms, skew_ms, new_epoch()],
                     int(self.timings.renew * 250),
                 )
             except Exception as exc:  # Redis down or unreachable: keep trying
@@ -177,13 +230,10 @@ class LeaseKeeper:
                 log.warning("cannot lease a worker id from %s: %s", self.target.display, exc)
                 await asyncio.sleep(self.timings.renew)
                 continue
-            code = int(result[0])
-            if code == -2:
-                added = await self.init_pool()
-                log.info(
-                    "created worker id pool %d..%d in %s (%d ids)", self.min_id, self.max_id, self.target.display, added
-                )
-                continue
+            code, now_ms, _expiry, prev_expiry, handover, clean, barrier, created = (int(x) for x in result[:8])
+            epoch, quarantined, version = _text(result[8]), [int(x) for x in result[9]], int(result[10])
+            self._report_found(created, barrier, now_ms, quarantined)
+            self.epoch = epoch
             if code == -1:
                 message = f"no free worker id in {self.min_id}..{self.max_id} at {self.target.display}"
                 if not self.wait_for_free_id:
@@ -193,59 +243,111 @@ class LeaseKeeper:
                     announced = True
                 await asyncio.sleep(self.timings.renew)
                 continue
-            worker_id, now_ms, _expiry, prev_expiry, prev_last, clean = (int(x) for x in result)
-            lease = Lease(worker_id, token)
+            self.version_seen = max(self.version_seen, version)
+            lease = Lease(code, token)
             if problem:
-                log.warning("worker id %d: acquire not durable (%s); releasing and retrying", worker_id, problem)
+                log.warning("worker id %d: acquire not durable (%s); releasing and retrying", code, problem)
                 await self._release(lease, 0)
                 await asyncio.sleep(self.timings.renew)
                 continue
             self.stats.acquires += 1
-            # The previous holder fenced itself before its lease expired; give it `delay` after that.
-            wait = 0.0 if clean else max(0.0, (prev_expiry + self.timings.delay * 1000 - now_ms) / 1000)
-            return lease, prev_last, wait
+            return Acquired(lease, now_ms, prev_expiry, handover, bool(clean), barrier, created, quarantined)
+
+    def _report_found(self, created: int, barrier_ms: int, now_ms: int, quarantined: list[int]) -> None:
+        until = format_time(ms_to_datetime(barrier_ms)) if barrier_ms else ""
+        left = max(0.0, (barrier_ms - now_ms) / 1000)
+        if created == 1:
+            log.warning(
+                "created the worker id pool %d..%d in %s. A pool created by a daemon cannot be told apart from"
+                " one Redis lost, so no daemon serves from it until %s (%.1fs: lease ttl + 2 x clock skew max);"
+                " `katsubushi-py lease init` creates a pool that serves at once",
+                self.min_id,
+                self.max_id,
+                self.target.display,
+                until,
+                left,
+            )
+        elif created == 2:
+            self.stats.data_loss_events += 1
+            log.error(
+                "DATA LOSS: the worker id pool in %s is gone (it existed when this daemon last leased from it:"
+                " FLUSHALL, a Redis restart without persistence, or a failover that lost writes). Re-created it;"
+                " no daemon serves from it until %s (%.1fs: lease ttl + 2 x clock skew max)",
+                self.target.display,
+                until,
+                left,
+            )
+        for worker_id in quarantined:
+            self.stats.data_loss_events += 1
+            log.error(
+                "DATA LOSS: worker id %d's lease record in %s was damaged (its handover mark is missing, or its"
+                " expiry is earlier than its mark allows: edited by hand or partly lost). Quarantined it: nobody"
+                " leases it for %.1fs (lease ttl + 2 x clock skew max), and its next holder starts after the"
+                " latest millisecond an earlier holder can have issued",
+                worker_id,
+                self.target.display,
+                self.recovery_wait,
+            )
 
     # -- renew -----------------------------------------------------------------------------------
-    async def renew(self, high_water_ms: int) -> str:
-        """One renew. Returns "ok", "lost" (someone else owns the id) or "failed" (not confirmed)."""
+    async def renew(self, high_water_ms: int) -> tuple[str, list[Any]]:
+        """One renew. Returns ("ok", result), ("lost", result) (someone else owns the id), ("loss",
+        result) (Redis lost the pool or this id's record) or ("failed", []) (not confirmed)."""
         lease = self.lease
         if lease is None:
-            return "lost"
+            return "lost", []
         keys = self.keys
+        ttl_ms, wait_ms, skew_ms = self._ms()
         try:
             client = await self._client()
             result, problem = await run_script(
                 client,
                 RENEW_LUA,
-                [keys.ids, keys.owners, keys.last, keys.stats],
-                [lease.token, lease.worker_id, int(self.timings.ttl * 1000), high_water_ms],
+                keys.all,
+                [
+                    lease.token,
+                    lease.worker_id,
+                    ttl_ms,
+                    high_water_ms,
+                    self.epoch,
+                    wait_ms,
+                    skew_ms,
+                    self.version_seen,
+                    self.min_id,
+                    self.max_id,
+                    new_epoch(),
+                ],
                 int(self.timings.renew * 250),
             )
         except Exception as exc:
             await self._drop_client()
             log.warning("renewing worker id %d failed: %s", lease.worker_id, exc)
-            return "failed"
-        if int(result[0]) != 1:
-            return "lost"
+            return "failed", []
+        code = int(result[0])
+        if code == -1:
+            return "lost", list(result)
+        if code in (-3, -4):
+            return "loss", list(result)
         if problem:
             log.warning("renewing worker id %d not durable: %s", lease.worker_id, problem)
-            return "failed"
-        return "ok"
+            return "failed", []
+        self.version_seen = max(self.version_seen, int(result[4]))
+        return "ok", list(result)
 
-    async def _release(self, lease: Lease, last_ms: int) -> bool:
-        keys = self.keys
+    async def _release(self, lease: Lease, last_ms: int, quarantine: bool = False) -> bool:
         client = await self._client()
+        ttl_ms, wait_ms, skew_ms = self._ms()
         result = await client.eval(
             RELEASE_LUA,
-            5,
-            keys.ids,
-            keys.owners,
-            keys.last,
-            keys.released,
-            keys.stats,
+            len(self.keys.all),
+            *self.keys.all,
             lease.token,
             lease.worker_id,
             last_ms,
+            self.epoch,
+            "quarantine" if quarantine else "clean",
+            wait_ms,
+            ttl_ms + skew_ms,
         )
         return int(result) == 1
 
@@ -267,52 +369,89 @@ class LeaseKeeper:
         finally:
             await self._drop_client()
 
-    # -- the loop --------------------------------------------------------------------------------
-    async def start(self, make_generator: Callable[[int], Any]) -> Any:
-        """Check the clock, lease an id, make the generator for it (fenced), start renewing, and
-        return the generator once the delay has passed and it may serve."""
-        skew = await self.check_clock()
-        log.info("clock differs from Redis TIME by %+.3fs", skew)
-        lease, prev_last, wait = await self.acquire()
-        try:
-            generator = make_generator(lease.worker_id)
-        except Exception:
-            self.lease = lease
-            await self.release(0)
-            raise
-        self.generator = generator
-        generator.set_fence(0)
-        generator.switch_worker(lease.worker_id, prev_last)
-        self._take(lease, wait)
+    # -- taking an id ----------------------------------------------------------------------------
+    async def _lease_new_id(self, generator: Generator) -> None:
+        """Acquire an id, claim its state file, and point the generator at it (still fenced)."""
+        while True:
+            acquired = await self.acquire()
+            lease = acquired.lease
+            state: StateFile | None = None
+            try:
+                if self.claim_state is not None:
+                    state = self.claim_state(lease.worker_id)
+                generator.switch_worker(lease.worker_id, acquired.handover_ms, state)
+            except StateFileInUse as exc:
+                self.stats.state_file_conflicts += 1
+                log.error(
+                    "worker id %d was free in Redis, but %s: another daemon of this host issues under it (one with"
+                    " --worker-id %d sharing this state directory, or a leasing daemon whose lease Redis lost)."
+                    " Quarantined it in Redis for %.1fs and leasing another",
+                    lease.worker_id,
+                    exc,
+                    lease.worker_id,
+                    self.recovery_wait,
+                )
+                with contextlib.suppress(Exception):
+                    await self._release(lease, 0, quarantine=True)
+                continue
+            except StateFileError:
+                if state is not None:
+                    state.unlock()
+                with contextlib.suppress(Exception):
+                    await self._release(lease, 0)
+                raise
+            self._take(acquired)
+            return
+
+    def _take(self, acquired: Acquired) -> None:
+        """Start under a new lease: fenced until its first renew has stored a high-water mark in Redis
+        (so that a successor knows how far we may have issued), and until the delay has passed."""
+        self.lease = acquired.lease
+        now = time.monotonic()
+        delay_ms = 0 if acquired.clean else acquired.prev_expiry_ms + self.timings.delay * 1000 - acquired.now_ms
+        recovery_ms = acquired.recovering_until_ms - acquired.now_ms
+        self.stats.recovering_until = now + max(0.0, recovery_ms / 1000)
+        self.stats.serve_after = now + max(0.0, delay_ms / 1000, recovery_ms / 1000)
+        self.stats.deadline_mono = 0.0
+        self.stats.next_renew = now
+        wait = self.stats.serve_after - now
         log.info(
             "leased worker id %d from %s%s",
-            lease.worker_id,
+            acquired.lease.worker_id,
             self.target.display,
             f"; waiting {wait:.1f}s before serving" if wait > 0 else "",
         )
+
+    # -- the loop --------------------------------------------------------------------------------
+    async def start(self, generator: Generator) -> None:
+        """Check the clock, lease an id for ``generator`` (fenced meanwhile), start renewing, and
+        return once the delay has passed and the generator serves."""
+        self.generator = generator
+        generator.set_fence(0, "waiting for a worker id lease")
+        skew = await self.check_clock()
+        log.info("clock differs from Redis TIME by %+.3fs", skew)
+        await self._lease_new_id(generator)
         self._task = asyncio.get_running_loop().create_task(self._maintain(generator))
-        if wait > 0:
-            await asyncio.sleep(wait)
-        await self._confirmed.wait()
-        return generator
+        await self._serving.wait()
 
-    def _take(self, lease: Lease, wait: float) -> None:
-        """Start under a new lease: fenced until its first renew has stored a high-water mark in Redis
-        (so that a successor knows how far we may have issued), and until the delay has passed."""
-        self.lease = lease
-        self.stats.serve_after = time.monotonic() + wait
-        self.stats.deadline_mono = 0.0
-        self.stats.next_renew = time.monotonic()
-        self._confirmed.clear()
-
-    def _fence(self, generator: Any) -> None:
+    def _fence(self, generator: Generator) -> None:
         now = time.monotonic()
-        if now < self.stats.serve_after or self.lease is None:
-            generator.set_fence(0)
+        stats = self.stats
+        if self.lease is None:
+            generator.set_fence(0, "waiting for a worker id lease")
+        elif now < stats.recovering_until:
+            until_ms = int((time.time() + stats.recovering_until - now) * 1000)
+            generator.set_fence(
+                0, f"{NOT_CONFIRMED}: recovering from Redis data loss until {format_time(ms_to_datetime(until_ms))}"
+            )
+        elif now < stats.serve_after:
+            generator.set_fence(0, f"{NOT_CONFIRMED}: waiting out the lease delay")
         else:
-            generator.set_fence(int(self.stats.deadline_mono * 1e9))
+            generator.set_fence(int(stats.deadline_mono * 1e9))
+            if now < stats.deadline_mono:
+                self._serving.set()
 
-    async def _maintain(self, generator: Any) -> None:
+    async def _maintain(self, generator: Generator) -> None:
         timings = self.timings
         while not self._stopping:
             self._fence(generator)
@@ -326,36 +465,79 @@ class LeaseKeeper:
             sent = time.monotonic()
             high_water = generator.now_ms() + int(timings.ttl * 1000)
             try:
-                outcome = await asyncio.wait_for(self.renew(high_water), timeout=timings.renew)
+                outcome, result = await asyncio.wait_for(self.renew(high_water), timeout=timings.renew)
             except TimeoutError:
                 await self._drop_client()
                 log.warning("renewing worker id %d timed out", self.lease.worker_id if self.lease else -1)
-                outcome = "failed"
+                outcome, result = "failed", []
+            received = time.monotonic()
             if outcome == "ok":
                 self.stats.renewals += 1
                 self.stats.deadline_mono = sent + timings.ttl - timings.margin
                 self.stats.next_renew = sent + timings.renew
-                self._confirmed.set()
+                now_ms, barrier_ms = int(result[1]), int(result[3])
+                if barrier_ms > now_ms:  # a loss seen by another daemon since we acquired
+                    until = received + (barrier_ms - now_ms) / 1000
+                    self.stats.recovering_until = max(self.stats.recovering_until, until)
+                    self.stats.serve_after = max(self.stats.serve_after, until)
             elif outcome == "failed":
                 self.stats.renew_failures += 1
                 # Retry sooner than a full interval so that a short blip does not fence us.
                 self.stats.next_renew = time.monotonic() + max(0.1, timings.renew / 4)
             else:
-                old = self.lease.worker_id if self.lease else -1
-                generator.set_fence(0)
-                log.error(
-                    "worker id %d is no longer ours (its owner token changed in Redis); stopped issuing"
-                    " under it and leasing another",
-                    old,
+                await self._lost(generator, outcome, result)
+
+    async def _lost(self, generator: Generator, outcome: str, result: list[Any]) -> None:
+        """The id is not ours any more (or Redis forgot it): stop at once, say why, lease another."""
+        old = self.lease.worker_id if self.lease else -1
+        generator.retire_worker("waiting for a worker id lease")
+        self.lease = None
+        if outcome == "lost":
+            log.error(
+                "worker id %d is no longer ours (its owner token changed in Redis); stopped issuing under it"
+                " and leasing another",
+                old,
+            )
+        else:
+            self.stats.data_loss_events += 1
+            what = _text(result[2])
+            ends = format_time(ms_to_datetime(int(result[1]) + int(self.recovery_wait * 1000)))
+            if int(result[0]) == -4:
+                found = (
+                    f"worker id {old}'s lease record in {self.target.display} lost its owner entry (data loss, a"
+                    " hand edit, or another daemon found the record damaged and quarantined it)"
                 )
-                self.lease = None
-                lease, prev_last, wait = await self.acquire()
-                generator.switch_worker(lease.worker_id, prev_last)
-                self._take(lease, wait)
-                self.stats.worker_id_changes += 1
-                log.info(
-                    "now serving worker id %d%s", lease.worker_id, f" after a {wait:.1f}s delay" if wait > 0 else ""
+                scope = "that id"
+            elif what == "missing":
+                found = (
+                    f"Redis lost the worker id pool in {self.target.display} (FLUSHALL, a restart without"
+                    " persistence, or a failover that lost writes)"
                 )
+                scope = "the pool"
+            elif what == "recreated":
+                found = (
+                    f"the worker id pool in {self.target.display} was created anew since this daemon leased worker"
+                    f" id {old} (Redis lost its data, then a daemon or `lease init` made a new pool)"
+                )
+                scope = "the pool"
+            else:
+                found = (
+                    f"the worker id pool in {self.target.display} went back in time (Redis restarted from an old"
+                    " snapshot, or failed over to a replica that missed writes)"
+                )
+                scope = "the pool"
+            log.error(
+                "DATA LOSS: %s. Stopped issuing under worker id %d at once; no daemon serves under %s until"
+                " %s (%.1fs: lease ttl + 2 x clock skew max); leasing a worker id again",
+                found,
+                old,
+                scope,
+                ends,
+                self.recovery_wait,
+            )
+        self._serving.clear()
+        await self._lease_new_id(generator)
+        self.stats.worker_id_changes += 1
 
     async def stop(self, last_ms: int) -> None:
         """Stop renewing, then release the id with the last issued millisecond."""
@@ -371,6 +553,8 @@ class LeaseKeeper:
         now = time.monotonic()
         if self.lease is None:
             return "acquiring"
+        if now < self.stats.recovering_until:
+            return "recovering"
         if now < self.stats.serve_after:
             return "delay"
         if now >= self.stats.deadline_mono:
@@ -387,4 +571,16 @@ class LeaseKeeper:
             ("lease_renewals", self.stats.renewals),
             ("lease_renew_failures", self.stats.renew_failures),
             ("worker_id_changes", self.stats.worker_id_changes),
+            ("lease_data_loss_events", self.stats.data_loss_events),
+            ("lease_state_file_conflicts", self.stats.state_file_conflicts),
         ]
+
+
+async def init_pool(target: RedisTarget, min_id: int, max_id: int) -> int:
+    """``lease init``: create the pool for [min, max], serving at once, if none exists; returns how
+    many ids were created (0: a pool exists, unchanged)."""
+    client = await connect(target, timeout=5)
+    try:
+        return int(await client.eval(INIT_LUA, len(target.keys().all), *target.keys().all, min_id, max_id, new_epoch()))
+    finally:
+        await client.aclose()

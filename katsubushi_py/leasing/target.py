@@ -45,6 +45,7 @@ class RedisTarget:
             last=f"{tag}:last_ms",
             released=f"{tag}:released",
             stats=f"{tag}:stats",
+            pool=f"{tag}:pool",
         )
 
 
@@ -55,6 +56,12 @@ class LeaseKeys:
     last: str
     released: str
     stats: str
+    pool: str  # the pool's identity (epoch), range and recovery barrier
+
+    @property
+    def all(self) -> list[str]:
+        """Every key, in the order every script takes them."""
+        return [self.ids, self.owners, self.last, self.released, self.stats, self.pool]
 
 
 def parse_redis_url(url: str) -> RedisTarget:
