@@ -125,7 +125,9 @@ class Server:
                 self.proc.wait()
 
 
-def katsubushi_cmd(port: int | None, sock: str | None) -> list[str]:
+def katsubushi_cmd(port: int | None, sock: str | None, state_dir: Path) -> list[str]:
+    """The daemon as a user starts it, state file included (in ``state_dir``: the served daemon and the
+    start-up runs each need their own, as two daemons cannot share worker id 1's state file)."""
     cmd = [
         "taskset",
         "-c",
@@ -141,6 +143,8 @@ def katsubushi_cmd(port: int | None, sock: str | None) -> list[str]:
         "0",
         "--max-connections",
         "4096",
+        "--state-dir",
+        str(state_dir),
     ]
     if port is not None:
         cmd += ["--port", str(port)]
@@ -314,7 +318,9 @@ def main() -> None:
     kport, mport = free_port(), free_port()
     ksock, msock = str(workdir / "k.sock"), str(workdir / "m.sock")
     servers = {
-        ("katsubushi-py", "tcp"): start("katsubushi-py", katsubushi_cmd(kport, ksock), kport, None, True),
+        ("katsubushi-py", "tcp"): start(
+            "katsubushi-py", katsubushi_cmd(kport, ksock, workdir / "state"), kport, None, True
+        ),
         ("memcached", "tcp"): start("memcached", memcached_cmd(memcached, mport, None), mport, None, False),
         ("memcached", "unix"): start("memcached", memcached_cmd(memcached, None, msock), None, msock, False),
     }
@@ -365,7 +371,9 @@ def main() -> None:
                 log(f"{args.idle} idle connections {name:14s} RSS {before} kB -> {during} kB")
         startups: dict[str, list[float]] = {"katsubushi-py": [], "memcached": []}
         for _ in range(args.runs):
-            startups["katsubushi-py"].append(startup_seconds(lambda p: katsubushi_cmd(p, None)))
+            startups["katsubushi-py"].append(
+                startup_seconds(lambda p: katsubushi_cmd(p, None, workdir / "state-startup"))
+            )
             startups["memcached"].append(startup_seconds(lambda p: memcached_cmd(memcached, p, None)))
             log(
                 f"start-up katsubushi-py {startups['katsubushi-py'][-1]:.3f} s, memcached"

@@ -212,6 +212,18 @@ def daemons(tmp_path: Path) -> Iterator[DaemonFactory]:
 
 
 @pytest.fixture
+def redis_server(tmp_path: Path) -> Iterator[object]:
+    """A real redis-server on a free port, without persistence (tests/redis_servers.py)."""
+    from redis_servers import start_redis  # it imports this module
+
+    server = start_redis(tmp_path / "redis")
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture
 def daemon(daemons: DaemonFactory) -> Daemon:
     return daemons.start()
 

@@ -233,7 +233,8 @@ class LeaseKeeper:
             code, now_ms, _expiry, prev_expiry, handover, clean, barrier, created = (int(x) for x in result[:8])
             epoch, quarantined, version = _text(result[8]), [int(x) for x in result[9]], int(result[10])
             self._report_found(created, barrier, now_ms, quarantined)
-            self.epoch = epoch
+            if epoch != self.epoch:  # a new pool (the first, or one made after a loss): its own counter
+                self.epoch, self.version_seen = epoch, 0
             if code == -1:
                 message = f"no free worker id in {self.min_id}..{self.max_id} at {self.target.display}"
                 if not self.wait_for_free_id:
@@ -500,8 +501,8 @@ class LeaseKeeper:
             )
         else:
             self.stats.data_loss_events += 1
-            what = _text(result[2])
-            ends = format_time(ms_to_datetime(int(result[1]) + int(self.recovery_wait * 1000)))
+            what, now_ms, barrier_ms = _text(result[2]), int(result[1]), int(result[3])
+            ends = format_time(ms_to_datetime(barrier_ms))
             if int(result[0]) == -4:
                 found = (
                     f"worker id {old}'s lease record in {self.target.display} lost its owner entry (data loss, a"
@@ -528,12 +529,13 @@ class LeaseKeeper:
                 scope = "the pool"
             log.error(
                 "DATA LOSS: %s. Stopped issuing under worker id %d at once; no daemon serves under %s until"
-                " %s (%.1fs: lease ttl + 2 x clock skew max); leasing a worker id again",
+                " %s (%.1fs from now; lease ttl + 2 x clock skew max from when the loss was seen); leasing a"
+                " worker id again",
                 found,
                 old,
                 scope,
                 ends,
-                self.recovery_wait,
+                max(0.0, (barrier_ms - now_ms) / 1000),
             )
         self._serving.clear()
         await self._lease_new_id(generator)

@@ -155,8 +155,10 @@ return {-1, now, next_expiry, 0, 0, 0, barrier, created, pool[1], quarantined, 0
 # KEYS: the six. ARGV: token id ttl_ms high_water_ms epoch wait_ms skew_ms version_seen min max new_epoch.
 # Returns {1, now, expiry, recovering_until_ms, version}: renewed (not to be served before the barrier)
 #      or {-1, now}: the id is someone else's now (its lease had expired by Redis's clock)
-#      or {-3, now, what}: the pool was lost ('missing', 'recreated', 'rolled back'); the barrier is raised
-#      or {-4, now, what}: this id's record was lost; the id is quarantined
+#      or {-3, now, what, barrier}: the pool was lost ('missing', 'recreated', 'rolled back')
+#      or {-4, now, what, barrier}: this id's record was lost; the id is quarantined until barrier
+# A pool re-created by a daemon already has a barrier that started after the loss (and counted it);
+# one made by `lease init` while daemons still held ids of the lost pool gets one now.
 RENEW_LUA = (
     _NOW
     + _HELPERS
@@ -164,27 +166,31 @@ RENEW_LUA = (
 local token, id, ttl, hw = ARGV[1], ARGV[2], tonumber(ARGV[3]), tonumber(ARGV[4])
 local epoch, wait, skew, seen = ARGV[5], tonumber(ARGV[6]), tonumber(ARGV[7]), tonumber(ARGV[8])
 redis.call('HINCRBY', KEYS[5], 'renew_count', 1)
-local pool = redis.call('HMGET', KEYS[6], 'epoch', 'recovering_until_ms', 'version')
+local pool = redis.call('HMGET', KEYS[6], 'epoch', 'recovering_until_ms', 'version', 'origin')
 local lost = nil
 if not pool[1] then
   create_pool(tonumber(ARGV[9]), tonumber(ARGV[10]), ARGV[11], 'lost', now + wait, now + ttl + skew)
   lost = 'missing'
 elseif pool[1] ~= epoch then
   lost = 'recreated'
+  if pool[4] == 'init' then raise_barrier(now + wait, now + ttl + skew) end
 elseif tonumber(pool[3]) < seen then
   lost = 'rolled back'
   redis.call('HSET', KEYS[6], 'version', seen + 1)
+  raise_barrier(now + wait, now + ttl + skew)
 end
 if lost then
-  raise_barrier(now + wait, now + ttl + skew)
-  redis.call('HINCRBY', KEYS[5], 'data_loss_events', 1)
-  return {-3, now, lost}
+  if lost ~= 'recreated' or pool[4] ~= 'lost' then
+    redis.call('HINCRBY', KEYS[5], 'data_loss_events', 1)
+    redis.call('HSET', KEYS[6], 'origin', 'lost')
+  end
+  return {-3, now, lost, tonumber(redis.call('HGET', KEYS[6], 'recovering_until_ms'))}
 end
 local owner = redis.call('HGET', KEYS[2], id)
 if not owner then
   quarantine(id, now + wait, now + ttl + skew)
   redis.call('HINCRBY', KEYS[5], 'data_loss_events', 1)
-  return {-4, now, 'owner entry vanished'}
+  return {-4, now, 'owner entry vanished', now + wait}
 end
 if owner ~= token then
   redis.call('HINCRBY', KEYS[5], 'renew_ownership_error', 1)
