@@ -124,7 +124,7 @@ def test_next_holder_with_a_slow_clock_still_issues_greater_ids(
     first = start_leased(daemons, redis_server.url, *one)
     issued = ids(first, 100)
     assert first.stop() == 0
-    slow = {"LD_PRELOAD": FAKETIME_LIB, "FAKETIME": "-4", "DONT_FAKE_MONOTONIC": "1"}
+    slow = {"LD_PRELOAD": FAKETIME_LIB, "FAKETIME": "-4"}
     second = start_leased(daemons, redis_server.url, *one, env=slow)
     reply = get(second)
     assert isinstance(reply, bytes) and reply.startswith(b"SERVER_ERROR clock moved backwards"), reply
@@ -134,7 +134,7 @@ def test_next_holder_with_a_slow_clock_still_issues_greater_ids(
 
 @pytest.mark.skipif(not os.path.exists(FAKETIME_LIB), reason="libfaketime is not installed (apt-get install faketime)")
 def test_clock_far_from_redis_time_is_refused(daemons: DaemonFactory, redis_server: RedisServer) -> None:
-    skewed = {"LD_PRELOAD": FAKETIME_LIB, "FAKETIME": "+30", "DONT_FAKE_MONOTONIC": "1"}
+    skewed = {"LD_PRELOAD": FAKETIME_LIB, "FAKETIME": "+30"}
     d = start_leased(daemons, redis_server.url, env=skewed, wait=False)
     assert d.proc.wait(20) == 1
     assert re.search(r"differs from Redis TIME by \+(29\.9|30\.0)", d.stderr()), d.stderr()
@@ -142,7 +142,7 @@ def test_clock_far_from_redis_time_is_refused(daemons: DaemonFactory, redis_serv
 
 @pytest.mark.skipif(not os.path.exists(FAKETIME_LIB), reason="libfaketime is not installed (apt-get install faketime)")
 def test_clock_somewhat_off_redis_time_is_a_warning(daemons: DaemonFactory, redis_server: RedisServer) -> None:
-    ahead = {"LD_PRELOAD": FAKETIME_LIB, "FAKETIME": "+2", "DONT_FAKE_MONOTONIC": "1"}
+    ahead = {"LD_PRELOAD": FAKETIME_LIB, "FAKETIME": "+2"}
     d = start_leased(daemons, redis_server.url, env=ahead)
     assert ids(d)
     assert re.search(r"WARNING local clock differs from Redis TIME by \+(1\.9|2\.0)", d.stderr()), d.stderr()

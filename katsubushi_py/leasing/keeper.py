@@ -416,10 +416,12 @@ class LeaseKeeper:
         self.stats.deadline_mono = 0.0
         self.stats.next_renew = now
         wait = self.stats.serve_after - now
+        state = self.generator.state_path if self.generator is not None else None
         log.info(
-            "leased worker id %d from %s%s",
+            "leased worker id %d from %s%s%s",
             acquired.lease.worker_id,
             self.target.display,
+            f" (state file {state})" if state else "",
             f"; waiting {wait:.1f}s before serving" if wait > 0 else "",
         )
 
