@@ -84,6 +84,8 @@ class LeaseConfig:
     wait_for_free_id: bool = True
     clock_skew_warn: float = 0.5
     clock_skew_max: float = 5.0
+    start_timeout: float = 60.0  # how long start-up retries an unreachable Redis before giving up
+    free_warn: float = 0.05  # warn when fewer than this share of the pool's ids are free
 
 
 @dataclass(frozen=True)
@@ -217,6 +219,14 @@ def build_parser() -> argparse.ArgumentParser:
     _flag(lease, "lease-delay", metavar="DURATION", help="wait after taking a recently used id (default 2x renew)")
     _flag(lease, "clock-skew-warn", metavar="DURATION", help="warn above this clock difference to Redis TIME (0.5s)")
     _flag(lease, "clock-skew-max", metavar="DURATION", help="refuse to start when it differs by more (5s)")
+    _flag(
+        lease,
+        "lease-start-timeout",
+        metavar="DURATION",
+        help="at start, retry an unreachable or slow Redis this long, then exit (default 60s); the daemon"
+        " listens meanwhile and answers SERVER_ERROR",
+    )
+    _flag(lease, "lease-free-warn", metavar="PERCENT", help="warn when fewer than this %% of the pool is free (5)")
     lease.add_argument(
         "--no-wait-for-lease",
         action="store_true",
@@ -381,7 +391,7 @@ def _lease_config(given: dict[str, object], layout: Layout) -> LeaseConfig | Non
     url = given.get("redis")
     if not url:
         # (--min/--max-worker-id without --redis are ignored, as go-katsubushi ignores them.)
-        for name in ("lease_ttl", "lease_renew", "lease_delay"):
+        for name in ("lease_ttl", "lease_renew", "lease_delay", "lease_start_timeout", "lease_free_warn"):
             if name in given:
                 raise ConfigError(f"--{name.replace('_', '-')} needs --redis")
         return None
@@ -406,6 +416,13 @@ def _lease_config(given: dict[str, object], layout: Layout) -> LeaseConfig | Non
     most = parse_duration(str(given.get("clock_skew_max", "5s")), "clock skew maximum")
     if warn > most:
         raise ConfigError("--clock-skew-warn must not exceed --clock-skew-max")
+    start_timeout = parse_duration(str(given.get("lease_start_timeout", "60s")), "lease start timeout")
+    try:
+        free_warn = float(str(given.get("lease_free_warn", "5")).strip().rstrip("%"))
+    except ValueError:
+        raise ConfigError(f"invalid --lease-free-warn {given['lease_free_warn']!r}: a percentage such as 5") from None
+    if not 0 <= free_warn <= 100:
+        raise ConfigError(f"invalid --lease-free-warn {free_warn:g}: must be 0..100")
     return LeaseConfig(
         target=target,
         min_worker_id=low,
@@ -414,4 +431,6 @@ def _lease_config(given: dict[str, object], layout: Layout) -> LeaseConfig | Non
         wait_for_free_id=not given.get("no_wait_for_lease", False),
         clock_skew_warn=warn,
         clock_skew_max=most,
+        start_timeout=start_timeout,
+        free_warn=free_warn / 100,
     )

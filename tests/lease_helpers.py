@@ -40,11 +40,27 @@ def init_pool(url: str, ns: str = "t", low: int = 1, high: int = 1023) -> int:
 
 
 def start_leased(
-    daemons: DaemonFactory, url: str, *more: str, ns: str = "t", init: bool = True, **kwargs: object
+    daemons: DaemonFactory,
+    url: str,
+    *more: str,
+    ns: str = "t",
+    init: bool = True,
+    wait: bool = True,
+    **kwargs: object,
 ) -> Daemon:
+    """A leasing daemon; with ``wait``, returned once it serves (it listens before that, answering
+    SERVER_ERROR while it waits for its lease)."""
     if init:
         init_pool(url, ns)
-    return daemons.start(*lease_args(url, ns, *more), worker_id=None, **kwargs)  # type: ignore[arg-type]
+    d = daemons.start(*lease_args(url, ns, *more), worker_id=None, wait=wait, **kwargs)  # type: ignore[arg-type]
+    if wait:
+        wait_serving(d)
+    return d
+
+
+def wait_serving(d: Daemon, timeout: float = 30.0) -> None:
+    """Until the daemon (already listening) holds its lease and serves."""
+    wait_until(lambda: stats(d).get("lease_state") == "held", timeout=timeout, step=0.02)
 
 
 def get(d: Daemon, n: int = 1) -> list[int] | bytes:

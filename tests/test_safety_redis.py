@@ -96,7 +96,7 @@ def test_flushall_under_three_loaded_daemons(daemons: DaemonFactory, redis_serve
         assert "DATA LOSS" in d.stderr()
     errors = {r.error for r in recorder.replies if r.error}
     assert all(e.startswith(b"SERVER_ERROR ") for e in errors), errors
-    assert any(b"recovering from Redis data loss until" in e for e in errors), errors
+    assert any(b"worker id lease not confirmed: pool recovering until" in e for e in errors), errors
     summary = pool_summary(redis_server)
     assert summary["data_loss_events"] == 1  # one loss, seen by three daemons
     assert summary["pool_origin"] == "lost" and summary["ids_in_use"] == 3

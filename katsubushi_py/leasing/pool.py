@@ -64,6 +64,7 @@ def pool_stats(snapshot: dict[str, Any]) -> dict[str, Any]:
     pool = snapshot["pool"]
     now_ms = snapshot["now_ms"]
     barrier = int(pool.get("recovering_until_ms", 0))
+    free = sum(1 for row in ids if not row["in_use"])
 
     def number(name: str) -> int | None:
         return int(pool[name]) if name in pool else None
@@ -75,8 +76,10 @@ def pool_stats(snapshot: dict[str, Any]) -> dict[str, Any]:
         "pool_created_ms": number("created_ms"),
         "pool_min": number("min"),
         "pool_max": number("max"),
+        "pool_size": len(ids),
         "ids_in_use": len(left),
-        "ids_free": sum(1 for row in ids if not row["in_use"]),
+        "ids_free": free,
+        "free_percent": round(100 * free / len(ids), 1) if ids else 0.0,
         "ids_quarantined": sum(1 for row in ids if row["quarantined"]),
         "recovering_until_ms": barrier,
         "recovering_left_ms": max(0, barrier - now_ms),

@@ -1,7 +1,8 @@
 """The Lua scripts that are the only writers of a pool, and how they are run.
 
 Every script reads ``TIME`` itself, so every daemon is judged by one clock (Redis's). After a write,
-if the master has replicas, :func:`run_script` waits for a majority of them on the same connection.
+if the master has replicas, the keeper waits (``WAIT``, pipelined on the same connection) for a
+majority of them.
 
 **What Redis has forgotten is treated as unsafe.** A pool has an identity: the ``epoch`` in its
 ``pool`` hash, a random value written when the pool is created. A daemon remembers the epoch it
@@ -35,8 +36,6 @@ version).
 """
 
 from __future__ import annotations
-
-from typing import Any
 
 # Every script reads TIME itself: one clock (Redis's) for every daemon. Effects replication (the
 # default since Redis 5) keeps replicas consistent although TIME is not deterministic.
@@ -153,7 +152,8 @@ return {-1, now, next_expiry, 0, 0, 0, barrier, created, pool[1], quarantined, 0
 )
 
 # KEYS: the six. ARGV: token id ttl_ms high_water_ms epoch wait_ms skew_ms version_seen min max new_epoch.
-# Returns {1, now, expiry, recovering_until_ms, version}: renewed (not to be served before the barrier)
+# Returns {1, now, expiry, recovering_until_ms, version, free, total}: renewed (not to be served before the
+#          barrier); free and total count the pool's ids, for occupancy warnings
 #      or {-1, now}: the id is someone else's now (its lease had expired by Redis's clock)
 #      or {-3, now, what, barrier}: the pool was lost ('missing', 'recreated', 'rolled back')
 #      or {-4, now, what, barrier}: this id's record was lost; the id is quarantined until barrier
@@ -206,11 +206,12 @@ local last = tonumber(redis.call('HGET', KEYS[3], id) or '0')
 if hw > last then redis.call('HSET', KEYS[3], id, hw) end
 redis.call('HINCRBY', KEYS[5], 'renew_success', 1)
 local version = redis.call('HINCRBY', KEYS[6], 'version', 1)
-return {1, now, expiry, tonumber(pool[2]), version}
+local free = redis.call('ZCOUNT', KEYS[1], '-inf', '(' .. now)
+return {1, now, expiry, tonumber(pool[2]), version, free, redis.call('ZCARD', KEYS[1])}
 """
 )
 
-# KEYS: the six. ARGV: token id last_ms (0: keep the stored mark) epoch mode.
+# KEYS: the six. ARGV: token id last_ms (0: keep the stored mark) epoch mode wait_ms mark_offset_ms channel.
 # mode 'clean': we stopped issuing at last_ms; the next holder may start at once after it.
 # mode 'quarantine': we must not use this id and someone else may be issuing under it (its state file
 # is locked by another daemon of our host): lease it to nobody for wait_ms (ARGV[6]), mark ARGV[7].
@@ -232,27 +233,8 @@ if tonumber(ARGV[3]) > 0 then redis.call('HSET', KEYS[3], ARGV[2], ARGV[3]) end
 redis.call('HSET', KEYS[4], ARGV[2], 1)
 redis.call('HINCRBY', KEYS[5], 'release', 1)
 redis.call('HINCRBY', KEYS[6], 'version', 1)
+-- Daemons waiting for a free id listen here: they take it within a round trip instead of a poll interval.
+redis.call('PUBLISH', ARGV[8], ARGV[2])
 return 1
 """
 )
-
-
-async def _replicas(client: Any) -> int:
-    info = await client.info("replication")
-    return int(info.get("connected_slaves", 0))
-
-
-async def run_script(client: Any, script: str, keys: list[str], args: list[Any], wait_ms: int) -> tuple[Any, str]:
-    """Run a script, then, if the node has replicas, WAIT for a majority on the same connection.
-
-    Returns (result, problem): ``problem`` is "" or why the write cannot be counted as durable.
-    """
-    result = await client.eval(script, len(keys), *keys, *args)
-    replicas = await _replicas(client)
-    if replicas == 0:
-        return result, ""
-    needed = replicas // 2 + 1
-    acked = int(await client.execute_command("WAIT", needed, wait_ms))
-    if acked < needed:
-        return result, f"only {acked} of {replicas} replicas acknowledged (needed {needed})"
-    return result, ""
