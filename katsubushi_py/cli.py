@@ -30,6 +30,8 @@ from .issuing.generator import Generator
 from .issuing.statefile import StateDirectory, StateFile
 
 PROG = "katsubushi-py"
+# The widest pool `lease init` makes: 16 worker-id bits (the daemons' --worker-bits decides what they use).
+MAX_POOL_ID = 65535
 
 
 def _fail(message: str, status: int = 2) -> int:
@@ -234,7 +236,12 @@ def cmd_lease(argv: Sequence[str]) -> int:
         )
         if action == "init":
             p.add_argument("--min", type=int, default=1, help="lowest worker id (default 1)")
-            p.add_argument("--max", type=int, default=1023, help="highest worker id (default 1023)")
+            p.add_argument(
+                "--max",
+                type=int,
+                default=1023,
+                help="highest worker id (default 1023; more with a wider --worker-bits on the daemons)",
+            )
     args = parser.parse_args(argv)
     if not args.redis:
         return _fail("set --redis URL (or REDIS)")
@@ -245,8 +252,8 @@ def cmd_lease(argv: Sequence[str]) -> int:
 
     async def run() -> int:
         if args.action == "init":
-            if not 0 <= args.min <= args.max <= 1023:
-                raise LeaseError("need 0 <= --min <= --max <= 1023")
+            if not 0 <= args.min <= args.max <= MAX_POOL_ID:
+                raise LeaseError(f"need 0 <= --min <= --max <= {MAX_POOL_ID}")
             added = await init_pool(target, args.min, args.max)
             if added:
                 print(f"created worker id pool {args.min}..{args.max} in {target.display} ({added} ids)")
