@@ -1,9 +1,12 @@
 /*
- * A small memcached-text load generator for bench/server_bench.py.
+ * A small memcached load generator for bench/server_bench.py, text or binary protocol.
  *
  * Why C: a Python client would limit the figures long before memcached does. One thread drives every
  * connection with epoll; each connection keeps --depth GET requests of --keys keys in flight, and
- * every response is checked byte by byte (VALUE <key> 0 <len>, digits, END). For ID servers,
+ * every response is checked byte by byte (VALUE <key> 0 <len>, digits, END). With --binary a request
+ * is one binary GET (--keys 1) or a quiet multi-get, GETKQ per key then NOOP (--keys N); every packet
+ * is checked (magic, opcode, status 0, the request's opaque echoed, four flag bytes, the key echoed
+ * by GETKQ, digits). For ID servers,
  * --increasing checks that every connection sees strictly increasing values (O(1) per value, so it
  * costs the timed run nothing), and --unique collects every value and checks for duplicates at the
  * end (that costs memory traffic on the client, so use it in a verification run, not a timed one).
@@ -38,15 +41,18 @@ typedef struct {
     double *sent_at; /* ring of send times, one per in-flight request */
     int head, tail;
     uint64_t last_value;
+    uint32_t next_opaque, expect_opaque; /* binary: each request carries its own opaque */
 } conn_t;
 
 static char *host = "127.0.0.1", *unix_path = NULL;
-static int port = 11212, nconns = 1, depth = 1, nkeys = 1, unique = 0, increasing = 0;
+static int port = 11212, nconns = 1, depth = 1, nkeys = 1, unique = 0, increasing = 0, binary = 0;
 static double seconds = 2.0;
 static char request[1 << 16];
 static size_t request_len;
 static char keys[1024][16];
 static size_t keylens[1024];
+static size_t opaque_at[1025]; /* binary: offsets of the opaque fields in the request */
+static int npackets;           /* binary: packets per request (and per response) */
 static uint64_t *values;
 static size_t nvalues, capvalues;
 static uint64_t *hist;
@@ -88,6 +94,10 @@ static void send_requests(conn_t *c, int n) {
     double t = now();
     for (int i = 0; i < n; i++) {
         memcpy(out + len, request, request_len);
+        if (binary) {
+            uint32_t opaque = htonl(c->next_opaque++);
+            for (int p = 0; p < npackets; p++) memcpy(out + len + opaque_at[p], &opaque, 4);
+        }
         len += request_len;
         c->sent_at[c->tail] = t;
         c->tail = (c->tail + 1) % depth;
@@ -154,6 +164,51 @@ static long parse_response(conn_t *c, const char *buf, size_t len) {
     return (long)(pos + 5);
 }
 
+static uint32_t be32(const unsigned char *p) {
+    return (uint32_t)p[0] << 24 | (uint32_t)p[1] << 16 | (uint32_t)p[2] << 8 | p[3];
+}
+
+/* One complete binary response (npackets packets) at buf; bytes used, 0 if incomplete, -1 if wrong. */
+static long parse_binary_response(conn_t *c, const char *cbuf, size_t len) {
+    const unsigned char *buf = (const unsigned char *)cbuf;
+    size_t pos = 0;
+    uint32_t opaque = c->expect_opaque;
+    for (int k = 0; k < npackets; k++) {
+        if (len - pos < 24) return 0;
+        const unsigned char *h = buf + pos;
+        uint32_t bodylen = be32(h + 8);
+        if (len - pos < 24 + (size_t)bodylen) return 0;
+        size_t keylen = (size_t)h[2] << 8 | h[3], extlen = h[4];
+        if (h[0] != 0x81 || h[6] != 0 || h[7] != 0 || be32(h + 12) != opaque) return -1;
+        if (nkeys > 1 && k == nkeys) { /* the NOOP that ends a quiet multi-get */
+            if (h[1] != 0x0a || bodylen != 0) return -1;
+        } else {
+            int opcode = nkeys > 1 ? 0x0d : 0x00;
+            size_t want_key = nkeys > 1 ? keylens[k] : 0;
+            if (h[1] != opcode || extlen != 4 || keylen != want_key || bodylen <= extlen + keylen) return -1;
+            if (memcmp(h + 24, "\0\0\0\0", 4) != 0) return -1;
+            if (want_key && memcmp(h + 28, keys[k], want_key) != 0) return -1;
+            keep_value(c, (const char *)h + 28 + keylen, bodylen - extlen - keylen);
+        }
+        pos += 24 + bodylen;
+    }
+    c->expect_opaque++;
+    return (long)pos;
+}
+
+static size_t binary_packet(char *out, int opcode, const char *key, size_t keylen) {
+    unsigned char *h = (unsigned char *)out;
+    memset(h, 0, 24);
+    h[0] = 0x80;
+    h[1] = (unsigned char)opcode;
+    h[2] = (unsigned char)(keylen >> 8);
+    h[3] = (unsigned char)keylen;
+    uint32_t body = htonl((uint32_t)keylen);
+    memcpy(h + 8, &body, 4);
+    memcpy(out + 24, key, keylen);
+    return 24 + keylen;
+}
+
 static int cmp_u64(const void *a, const void *b) {
     uint64_t x = *(const uint64_t *)a, y = *(const uint64_t *)b;
     return x < y ? -1 : x > y;
@@ -179,15 +234,29 @@ int main(int argc, char **argv) {
         else if (!strcmp(argv[i], "--seconds")) seconds = atof(argv[++i]);
         else if (!strcmp(argv[i], "--unique")) unique = 1;
         else if (!strcmp(argv[i], "--increasing")) increasing = 1;
+        else if (!strcmp(argv[i], "--binary")) binary = 1;
         else { fprintf(stderr, "unknown option %s\n", argv[i]); return 2; }
     }
     if (nkeys < 1 || nkeys > 1024 || depth < 1 || nconns < 1) { fprintf(stderr, "bad sizes\n"); return 2; }
-    request_len = (size_t)snprintf(request, sizeof(request), "get");
-    for (int k = 0; k < nkeys; k++) {
-        keylens[k] = (size_t)snprintf(keys[k], sizeof(keys[k]), "k%d", k);
-        request_len += (size_t)snprintf(request + request_len, sizeof(request) - request_len, " %s", keys[k]);
+    for (int k = 0; k < nkeys; k++) keylens[k] = (size_t)snprintf(keys[k], sizeof(keys[k]), "k%d", k);
+    if (binary) {
+        /* one GET, or GETKQ per key then a NOOP: every packet of a request carries its opaque */
+        npackets = nkeys > 1 ? nkeys + 1 : 1;
+        request_len = 0;
+        for (int k = 0; k < nkeys; k++) {
+            opaque_at[k] = request_len + 12;
+            request_len += binary_packet(request + request_len, nkeys > 1 ? 0x0d : 0x00, keys[k], keylens[k]);
+        }
+        if (nkeys > 1) {
+            opaque_at[nkeys] = request_len + 12;
+            request_len += binary_packet(request + request_len, 0x0a, "", 0);
+        }
+    } else {
+        request_len = (size_t)snprintf(request, sizeof(request), "get");
+        for (int k = 0; k < nkeys; k++)
+            request_len += (size_t)snprintf(request + request_len, sizeof(request) - request_len, " %s", keys[k]);
+        request_len += (size_t)snprintf(request + request_len, sizeof(request) - request_len, "\r\n");
     }
-    request_len += (size_t)snprintf(request + request_len, sizeof(request) - request_len, "\r\n");
     hist = calloc(HIST_US, sizeof(uint64_t));
 
     int ep = epoll_create1(0);
@@ -218,9 +287,14 @@ int main(int argc, char **argv) {
             size_t pos = 0;
             int done = 0;
             for (;;) {
-                long used = parse_response(c, c->rbuf + pos, c->rlen - pos);
+                long used = binary ? parse_binary_response(c, c->rbuf + pos, c->rlen - pos)
+                                   : parse_response(c, c->rbuf + pos, c->rlen - pos);
                 if (used < 0) {
-                    printf("{\"error\": \"malformed response: %.60s\"}\n", c->rbuf + pos);
+                    if (binary) {
+                        printf("{\"error\": \"malformed binary response at byte %zu\"}\n", pos);
+                    } else {
+                        printf("{\"error\": \"malformed response: %.60s\"}\n", c->rbuf + pos);
+                    }
                     return 1;
                 }
                 if (used == 0) break;

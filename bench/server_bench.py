@@ -13,7 +13,9 @@ What it does:
 - runs each scenario alternately against both servers (A B A B ...) and prints medians and the ratio
   katsubushi-py / memcached. The load generator is pinned to CPU 0 too when one request is in flight
   (a wake-up across CPUs costs about 100 us on these VMs) and to CPU 1 when many are;
-- checks every response, and that all IDs katsubushi-py returned in a run are unique.
+- checks every response, and that all IDs katsubushi-py returned in a run are unique;
+- measures the binary protocol too, beside memcached's binary protocol: one GET at a time, GETs
+  pipelined, and the quiet multi-get clients use (GETKQ per key, then NOOP).
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 VALUE = b"1574026156804435968"  # a 19-digit value, as long as today's IDs
+BINARY = ["--binary"]  # the load generator speaks memcached's binary protocol (see bench/loadgen.c)
 
 
 def log(message: str) -> None:
@@ -125,9 +128,11 @@ class Server:
                 self.proc.wait()
 
 
-def katsubushi_cmd(port: int | None, sock: str | None, state_dir: Path) -> list[str]:
-    """The daemon as a user starts it, state file included (in ``state_dir``: the served daemon and the
-    start-up runs each need their own, as two daemons cannot share worker id 1's state file)."""
+def katsubushi_cmd(port: int | None, sock: str | None, state_dir: Path | None = None) -> list[str]:
+    """The daemon as a user starts it, state file included (in ``state_dir``, by default a new one:
+    two daemons running at once cannot share worker id 1's state file)."""
+    if state_dir is None:
+        state_dir = Path(tempfile.mkdtemp(prefix="kbench-state-"))
     cmd = [
         "taskset",
         "-c",
@@ -343,6 +348,19 @@ def main() -> None:
             Scenario("unix: 4 connections, 16 pipelined each", ["--conns", "4", "--depth", "16"], 1, "unix", "rps"),
             Scenario(
                 "unix: 1 connection, GET of 100 keys", ["--conns", "1", "--keys", "100"], 0, "unix", "values_per_s"
+            ),
+            Scenario(
+                "binary: 1 connection, sequential GET", [*BINARY, "--conns", "1", "--depth", "1"], 0, "tcp", "rps"
+            ),
+            Scenario(
+                "binary: 4 connections, 16 pipelined each", [*BINARY, "--conns", "4", "--depth", "16"], 1, "tcp", "rps"
+            ),
+            Scenario(
+                "binary: 1 connection, GETKQ x 100 + NOOP",
+                [*BINARY, "--conns", "1", "--keys", "100"],
+                0,
+                "tcp",
+                "values_per_s",
             ),
         ]
         verified = 0

@@ -20,7 +20,7 @@ from .issuing.errors import (
 )
 from .issuing.generator import Clock, Generator, SystemClock
 
-__version__ = "0.1.0"
+__version__ = "1.0.0"
 
 __all__ = [
     "DEFAULT_LAYOUT",

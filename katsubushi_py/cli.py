@@ -4,9 +4,10 @@
     katsubushi-py decode ID...                  one JSON line per ID
     katsubushi-py id-at TIME                    the smallest ID at an instant
     katsubushi-py partitions --start DATE --days N   MySQL PARTITION BY RANGE COLUMNS(id)
+    katsubushi-py get [-n N] [--servers ...]    fetch IDs from running daemons, one per line
 
 Every failure is one line on stderr and a non-zero exit: 2 for bad input or configuration, 1 when
-the daemon cannot start or stops on an error.
+the daemon cannot start or stops on an error (or, for ``get``, when no server could issue IDs).
 """
 
 from __future__ import annotations
@@ -91,6 +92,43 @@ def cmd_partitions(argv: Sequence[str]) -> int:
     return 0
 
 
+# -- get -------------------------------------------------------------------------------------------
+def cmd_get(argv: Sequence[str]) -> int:
+    from .client import DEFAULT_SERVERS, SERVERS_ENV, AllServersFailed, Client
+    from .issuing.issuer import MAX_IDS_PER_REQUEST
+
+    parser = _Parser(prog=f"{PROG} get", description="Fetch IDs from katsubushi daemons (with failover).")
+    parser.add_argument("-n", type=int, default=1, help="how many IDs (default 1)")
+    parser.add_argument(
+        "--servers",
+        nargs="+",
+        default=None,
+        help=f"host:port or unix:/path, in order of preference; commas work too (env {SERVERS_ENV};"
+        f" default {DEFAULT_SERVERS[0]})",
+    )
+    parser.add_argument("--timeout", type=float, default=2.0, help="seconds per request, all servers (default 2)")
+    args = parser.parse_args(argv)
+    if args.n < 1:
+        return _fail("-n must be at least 1")
+    servers = args.servers or os.environ.get(SERVERS_ENV) or DEFAULT_SERVERS
+    try:
+        client = Client(servers, timeout=args.timeout)
+    except ValueError as exc:
+        return _fail(str(exc))
+    with client:
+        left = args.n
+        while left:
+            batch = min(left, MAX_IDS_PER_REQUEST)
+            try:
+                ids = client.fetch_many(batch)
+            except AllServersFailed as exc:
+                sys.stdout.flush()
+                return _fail(str(exc), 1)
+            sys.stdout.write("".join(f"{id_}\n" for id_ in ids))
+            left -= batch
+    return 0
+
+
 # -- serve -----------------------------------------------------------------------------------------
 class _JsonFormatter(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
@@ -133,7 +171,6 @@ def loop_factory(name: str) -> Callable[[], asyncio.AbstractEventLoop]:
 def _make_generator(config: ServerConfig, state_dir: StateDirectory | None) -> Generator:
     """The daemon's generator: for a static worker id with its (locked) state file; for a leased one
     fenced, until the lease keeper points it at a worker id and that id's state file."""
-    log = logging.getLogger("katsubushi_py")
     if config.worker_id is None:
         assert config.lease is not None
         generator = Generator(
@@ -149,7 +186,7 @@ def _make_generator(config: ServerConfig, state_dir: StateDirectory | None) -> G
         state = StateFile(config.state_file)
     elif state_dir is not None:
         state = state_dir.file_for(config.worker_id)
-    generator = Generator(
+    return Generator(
         config.worker_id,
         config.layout,
         max_backwards_wait=config.max_clock_wait,
@@ -157,9 +194,6 @@ def _make_generator(config: ServerConfig, state_dir: StateDirectory | None) -> G
         block_on_clock=False,  # a clock wait must not stall the event loop
         allow_worker_id_change=config.state_file_new_worker_id,
     )
-    if state is not None:
-        log.info("state file %s%s", state.path, f" ({config.state_dir_source})" if config.state_dir_source else "")
-    return generator
 
 
 def run_server(config: ServerConfig) -> int:
@@ -177,12 +211,6 @@ def run_server(config: ServerConfig) -> int:
     try:
         if state_dir is not None:
             state_dir.create()
-            if config.lease is not None:
-                log.info(
-                    "state directory %s (%s): a state file per leased worker id",
-                    state_dir.path,
-                    config.state_dir_source,
-                )
         generator = _make_generator(config, state_dir)
     except GenerationError as exc:
         return _fail(str(exc), 1)
@@ -282,6 +310,7 @@ COMMANDS: dict[str, Callable[[Sequence[str]], int]] = {
     "id-at": cmd_id_at,
     "partitions": cmd_partitions,
     "lease": cmd_lease,
+    "get": cmd_get,
 }
 
 

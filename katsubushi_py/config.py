@@ -8,6 +8,7 @@ lower case); a flag wins over the environment. Every problem becomes one :class:
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import re
 from collections.abc import Mapping, Sequence
@@ -42,9 +43,12 @@ ENV_FLAGS = (
     "redis",
     "min_worker_id",
     "max_worker_id",
+    "http_port",
+    "grpc_port",
     "state_dir",
 )
 
+GRPC_INSTALL_HINT = "pip install 'katsubushi-py[grpc]'"
 APP_DIR = "katsubushi-py"
 
 
@@ -108,6 +112,8 @@ class ServerConfig:
     loop: str = "auto"
     gets_cas: bool = False
     lease: LeaseConfig | None = None
+    http_port: int | None = None  # None: no HTTP listener (0: any free port)
+    grpc_port: int | None = None  # None: no gRPC server (0: any free port)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -203,6 +209,18 @@ def build_parser() -> argparse.ArgumentParser:
         "max-clock-wait",
         metavar="DURATION",
         help="how far behind the clock may be for the generator to wait instead of failing (default 1s)",
+    )
+    _flag(
+        parser,
+        "http-port",
+        metavar="PORT",
+        help="also serve HTTP (/id, /ids, /stats, /metrics, /healthz, /decode) on --host (env HTTP_PORT; 0 = off)",
+    )
+    _flag(
+        parser,
+        "grpc-port",
+        metavar="PORT",
+        help=f"also serve go-katsubushi's gRPC service on --host (env GRPC_PORT; 0 = off; needs {GRPC_INSTALL_HINT})",
     )
     _flag(parser, "loop", metavar="LOOP", choices=["auto", "uvloop", "asyncio"], help="event loop (default auto)")
     lease = parser.add_argument_group("worker ids leased from Redis (instead of --worker-id)")
@@ -320,6 +338,11 @@ def parse_server_config(
     if level_name not in LOG_LEVELS:
         raise ConfigError(f"invalid log level {level_name!r}: use debug, info, warn, error")
     max_conn = _int(given.get("max_connections", DEFAULT_MAX_CONNECTIONS), "max connections", 1)
+    # As in go-katsubushi, port 0 (the default) means "no such listener".
+    http_port = _int(given.get("http_port", 0), "http port", 0, 65535) or None
+    grpc_port = _int(given.get("grpc_port", 0), "grpc port", 0, 65535) or None
+    if grpc_port is not None and not all(importlib.util.find_spec(m) for m in ("grpc", "grpc_reflection")):
+        raise ConfigError(f"--grpc-port needs the grpc extra: {GRPC_INSTALL_HINT}")
     state_file, state_dir, state_source = _state_config(given, lease is not None, environ)
 
     config = ServerConfig(
@@ -341,6 +364,8 @@ def parse_server_config(
         loop=str(given.get("loop", "auto")),
         gets_cas=bool(args.gets_cas),
         lease=lease,
+        http_port=http_port,
+        grpc_port=grpc_port,
     )
     return config, args
 

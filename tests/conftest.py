@@ -99,7 +99,20 @@ def wait_for_unix(path: str, proc: subprocess.Popen[bytes], timeout: float = 10.
 DAEMON_CMD = [sys.executable, "-m", "katsubushi_py"]
 
 # Variables a daemon reads that the machine running the tests may have set.
-_DAEMON_VARS = {"WORKER_ID", "PORT", "SOCK", "STATE_DIR", "STATE_DIRECTORY"}
+_DAEMON_VARS = {
+    "WORKER_ID",
+    "PORT",
+    "SOCK",
+    "IDLE_TIMEOUT",
+    "LOG_LEVEL",
+    "REDIS",
+    "MIN_WORKER_ID",
+    "MAX_WORKER_ID",
+    "HTTP_PORT",
+    "GRPC_PORT",
+    "STATE_DIR",
+    "STATE_DIRECTORY",
+}
 # Parent of the state directories of daemons started outside a DaemonFactory; removed at exit.
 _SESSION_STATE = tempfile.TemporaryDirectory(prefix="kp-state-")
 

@@ -29,6 +29,9 @@ def test_server_bench_runs_end_to_end() -> None:
         "| 4 connections, 16 pipelined each |",
         "| 1 connection, GET of 100 keys |",
         "| unix: 1 connection, sequential GET |",
+        "| binary: 1 connection, sequential GET |",
+        "| binary: 4 connections, 16 pipelined each |",
+        "| binary: 1 connection, GETKQ x 100 + NOOP |",
         "| 20 idle connections: server RSS |",
         "| start-up, exec to first ID served |",
     ):

@@ -4,14 +4,22 @@ The protocol object turns bytes into reply bytes; this class only does what need
 flow control (stop reading from a client that does not read its replies), the idle timeout, the
 connection limit, and waiting for the clock without blocking anyone else (the protocol says how long
 a command must wait; reading pauses meanwhile, so replies stay in order and memory bounded).
+
+On a memcached listener the first byte a client sends picks the protocol for the rest of the
+connection, as in memcached and go-katsubushi: ``0x80`` (the binary request magic) the binary
+protocol, anything else the text one. That choice is made once: the first ``data_received`` rebinds
+the receive function to the chosen protocol object, so later reads cost exactly what they cost
+before binary support existed.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Protocol
 
+from ..frontends.binary import REQUEST_MAGIC, BinaryConnection
 from ..frontends.text import TextConnection
 
 if TYPE_CHECKING:
@@ -22,8 +30,39 @@ log = logging.getLogger("katsubushi_py")
 TOO_MANY_CONNECTIONS = b"SERVER_ERROR too many connections\r\n"
 
 
+class SansIOConnection(Protocol):
+    """What this glue drives: see :class:`~katsubushi_py.frontends.text.TextConnection`."""
+
+    closing: bool
+    wait: float
+    activity: int
+
+    def receive(self, data: bytes) -> bytes: ...
+
+    def resume(self) -> bytes: ...
+
+
+class _Closed:
+    """The protocol of a connection that is refused, not yet made, or lost: it answers nothing."""
+
+    closing = True
+    wait = 0.0
+    activity = 0
+
+    @staticmethod
+    def receive(data: bytes) -> bytes:
+        return b""
+
+    resume = receive
+
+
+_CLOSED = _Closed()
+
+
 class ConnectionHandler(asyncio.Protocol):
-    """A memcached connection (text protocol)."""
+    """A client connection: memcached (text or binary, as its first byte says) unless
+    ``open_protocol`` makes another sans-IO protocol object (HTTP), whose listener also says what a
+    refused connection is told."""
 
     __slots__ = (
         "_conn",
@@ -31,17 +70,26 @@ class ConnectionHandler(asyncio.Protocol):
         "_eof",
         "_idle_handle",
         "_last_activity",
+        "_open_protocol",
         "_receive",
+        "_refusal",
         "_transport",
         "_wait_handle",
         "_write",
         "_write_paused",
     )
 
-    def __init__(self, daemon: Daemon) -> None:
+    def __init__(
+        self,
+        daemon: Daemon,
+        open_protocol: Callable[[], SansIOConnection] | None = None,
+        refusal: bytes = TOO_MANY_CONNECTIONS,
+    ) -> None:
         self._daemon = daemon
+        self._open_protocol = open_protocol
+        self._refusal = refusal
         self._transport: asyncio.Transport | None = None
-        self._conn: TextConnection | None = None
+        self._conn: SansIOConnection = _CLOSED
         self._idle_handle: asyncio.TimerHandle | None = None
         self._wait_handle: asyncio.TimerHandle | None = None
         self._write_paused = False
@@ -53,15 +101,21 @@ class ConnectionHandler(asyncio.Protocol):
         tcp: asyncio.Transport = transport  # type: ignore[assignment]
         daemon = self._daemon
         stats = daemon.stats
+        self._transport = tcp
         if len(daemon.connections) >= daemon.config.max_connections or daemon.stopping:
             stats.rejected_connections += 1
-            tcp.write(TOO_MANY_CONNECTIONS)
+            self._receive = _CLOSED.receive
+            tcp.write(self._refusal)
             tcp.close()
             return
-        self._transport = tcp
-        conn = self._conn = TextConnection(daemon.issuer, gets_cas=daemon.config.gets_cas)
-        # Bound once here rather than looked up on every request.
-        self._receive = conn.receive
+        if self._open_protocol is not None:
+            conn = self._conn = self._open_protocol()
+            # Bound once here rather than looked up on every request.
+            self._receive = conn.receive
+        else:
+            # Text until the first byte says otherwise (the idle timer may read its activity before that).
+            self._conn = TextConnection(daemon.issuer, gets_cas=daemon.config.gets_cas)
+            self._receive = self._first_data
         self._write = tcp.write
         daemon.connections.add(self)
         stats.curr_connections += 1
@@ -69,13 +123,19 @@ class ConnectionHandler(asyncio.Protocol):
         if daemon.config.idle_timeout > 0:
             self._idle_handle = daemon.loop.call_later(daemon.config.idle_timeout, self._check_idle)
 
+    def _first_data(self, data: bytes) -> bytes:
+        """The first read on a memcached connection: pick the protocol, and bind its receive for
+        every later read."""
+        if data[0] == REQUEST_MAGIC:
+            self._conn = BinaryConnection(self._daemon.issuer)
+        receive = self._receive = self._conn.receive
+        return receive(data)
+
     def data_received(self, data: bytes) -> None:
-        conn = self._conn
-        if conn is None:  # a refused connection: nothing to answer
-            return
         reply = self._receive(data)
         if reply:
             self._write(reply)
+        conn = self._conn
         if conn.closing:
             self._transport.close()  # type: ignore[union-attr]
         elif conn.wait:
@@ -91,7 +151,7 @@ class ConnectionHandler(asyncio.Protocol):
         self._wait_handle = None
         conn = self._conn
         transport = self._transport
-        if conn is None or transport is None or transport.is_closing():
+        if transport is None or transport.is_closing():
             return
         reply = conn.resume()
         if reply:
@@ -108,7 +168,7 @@ class ConnectionHandler(asyncio.Protocol):
         since the previous check, otherwise look again one period later."""
         conn = self._conn
         transport = self._transport
-        if conn is None or transport is None or transport.is_closing():
+        if transport is None or transport.is_closing():
             return
         if conn.activity == self._last_activity and self._wait_handle is None:
             log.debug("closing idle connection")
@@ -140,11 +200,11 @@ class ConnectionHandler(asyncio.Protocol):
         if self._wait_handle is not None:
             self._wait_handle.cancel()
             self._wait_handle = None
-        if self._conn is not None and self in self._daemon.connections:
+        if self in self._daemon.connections:
             self._daemon.connections.discard(self)
             self._daemon.stats.curr_connections -= 1
             self._daemon.connection_closed()
-        self._conn = None
+        self._conn = _CLOSED
 
     def close(self) -> None:
         if self._transport is not None:

@@ -27,7 +27,7 @@ from ..issuing.issuer import Issuer
 from ..issuing.statefile import StateFile
 from ..leasing import LeaseError, LeaseKeeper
 from .connection import ConnectionHandler
-from .stats import Stats
+from .stats import Stats, settings_fields
 
 log = logging.getLogger("katsubushi_py")
 
@@ -93,32 +93,74 @@ class Daemon:
         self.loop = loop
         self.stats = Stats(self.issuer, config.max_connections, config.idle_timeout)
         self.issuer.stats_fields = self.stats.fields
+        self.issuer.settings_fields = lambda: settings_fields(config)
         self.connections: set[ConnectionHandler] = set()
         self.servers: list[asyncio.AbstractServer] = []
         self.stopping = False
         self._all_closed: asyncio.Event | None = None
         self.addresses: list[str] = []
         self._own_socket = False
+        self.grpc_server: Any = None  # grpc.aio.Server, with the grpc extra
 
     def connection_closed(self) -> None:
         if self._all_closed is not None and not self.connections:
             self._all_closed.set()
 
+    async def _listen_tcp(self, factory: Callable[[], asyncio.Protocol], port: int, scheme: str = "") -> None:
+        host = self.config.host
+        backlog = min(4096, max(128, self.config.max_connections))
+        try:
+            server = await self.loop.create_server(factory, host, port, backlog=backlog, reuse_address=True)
+        except OSError as exc:
+            await self.close_listeners()
+            reason = "address already in use" if exc.errno == errno.EADDRINUSE else (exc.strerror or str(exc))
+            raise StartupError(f"cannot listen on {scheme}{host}:{port}: {reason}") from None
+        self.servers.append(server)
+        for sock in server.sockets:
+            address, bound = sock.getsockname()[:2]
+            self.addresses.append(scheme + (f"[{address}]:{bound}" if ":" in address else f"{address}:{bound}"))
+
+    async def _start_http(self, port: int) -> None:
+        """The HTTP API: its connections go through the same glue as memcached's (limit, counters,
+        idle timeout, flow control, clock waits). prometheus-client loads only here."""
+        from ..frontends.http import TOO_MANY_CONNECTIONS, HttpApi, HttpConnection
+        from .metrics import make_registry, metrics_renderer
+
+        memcached = ("text", "binary", "meta")  # the memcached listeners serve all three
+        protocols = (*memcached, "http", "grpc") if self.config.grpc_port is not None else (*memcached, "http")
+        api = HttpApi(self.issuer, metrics_renderer(make_registry(self.stats, self.issuer, protocols)))
+        await self._listen_tcp(
+            lambda: ConnectionHandler(self, lambda: HttpConnection(api), TOO_MANY_CONNECTIONS), port, "http://"
+        )
+
+    async def _start_grpc(self, port: int) -> None:
+        from ..frontends.grpc_service import GrpcListenError, start_grpc_server
+
+        config = self.config
+        try:
+            self.grpc_server, bound = await start_grpc_server(
+                self.issuer,
+                config.host,
+                port,
+                idle_timeout=config.idle_timeout,
+                max_concurrent_rpcs=config.max_connections,
+            )
+        except GrpcListenError as exc:
+            await self.close_listeners()
+            raise StartupError(str(exc)) from None
+        self.addresses.append(
+            f"grpc://[{config.host}]:{bound}" if ":" in config.host else f"grpc://{config.host}:{bound}"
+        )
+
     async def start(self) -> None:
         config = self.config
         backlog = min(4096, max(128, config.max_connections))
         if config.port is not None:
-            try:
-                server = await self.loop.create_server(
-                    lambda: ConnectionHandler(self), config.host, config.port, backlog=backlog, reuse_address=True
-                )
-            except OSError as exc:
-                reason = "address already in use" if exc.errno == errno.EADDRINUSE else (exc.strerror or str(exc))
-                raise StartupError(f"cannot listen on {config.host}:{config.port}: {reason}") from None
-            self.servers.append(server)
-            for sock in server.sockets:
-                host, port = sock.getsockname()[:2]
-                self.addresses.append(f"[{host}]:{port}" if ":" in host else f"{host}:{port}")
+            await self._listen_tcp(lambda: ConnectionHandler(self), config.port)
+        if config.http_port is not None:
+            await self._start_http(config.http_port)
+        if config.grpc_port is not None:
+            await self._start_grpc(config.grpc_port)
         if config.sock:
             prepare_unix_socket(config.sock)
             try:
@@ -152,6 +194,8 @@ class Daemon:
         self.issuer.unavailable = "shutting down"
         for server in self.servers:
             server.close()
+        # gRPC calls in flight get the same grace, at the same time.
+        grpc_stopped = asyncio.ensure_future(self.grpc_server.stop(grace)) if self.grpc_server is not None else None
         self._all_closed = asyncio.Event()
         if self.connections:
             for handler in list(self.connections):
@@ -161,6 +205,9 @@ class Daemon:
             for handler in list(self.connections):
                 handler.abort()
         await self.close_listeners()
+        if grpc_stopped is not None:
+            await grpc_stopped
+            self.grpc_server = None
 
 
 def _lease_failure(keeper: LeaseKeeper, exc: BaseException) -> StartupError:
@@ -221,21 +268,27 @@ async def serve(
         await daemon.start()
         where = ", ".join(daemon.addresses)
         flavour = type(loop).__module__.split(".")[0]
+        # Where the state is kept goes into this line, after the listeners are up: a failed start stays one line.
+        source = f" ({config.state_dir_source})" if config.state_dir_source else ""
         if keeper is None:
+            state = f"state file {generator.state_path}{source}" if generator.state_path else "no state file"
             log.info(
-                "katsubushi-py %s serving worker id %d on %s (loop %s)",
+                "katsubushi-py %s serving worker id %d on %s (loop %s); %s",
                 __version__,
                 generator.worker_id,
                 where,
                 flavour,
+                state,
             )
         else:
+            state = f"state directory {config.state_dir}{source}" if config.state_dir else "no state file"
             log.info(
-                "katsubushi-py %s listening on %s (loop %s); leasing a worker id from %s",
+                "katsubushi-py %s listening on %s (loop %s); leasing a worker id from %s; %s",
                 __version__,
                 where,
                 flavour,
                 keeper.target.display,
+                state,
             )
             keeping = loop.create_task(keeper.run(generator))
         if ready is not None:

@@ -4,6 +4,9 @@ The first nine fields are go-katsubushi's, in its order and with its meanings, b
 Prometheus exporters written for it parse them: ``cmd_get`` counts ID requests (GET/GETS commands and
 their equivalents in the other protocols), ``get_hits`` IDs issued, ``get_misses`` requests that failed
 to issue. Connections are counted over every listener, as go-katsubushi does. Our own fields follow.
+
+``stats settings`` shows the configuration (:func:`settings_fields`), with memcached's names where
+memcached has the same setting.
 """
 
 from __future__ import annotations
@@ -11,9 +14,13 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from ..ids.layout import format_time
 from ..issuing.issuer import Issuer
+
+if TYPE_CHECKING:
+    from ..config import ServerConfig
 
 
 class Stats:
@@ -75,3 +82,31 @@ class Stats:
             ("idle_timeout", int(self.idle_timeout)),
             *(self.extra() if self.extra is not None else ()),
         ]
+
+
+def settings_fields(config: ServerConfig) -> list[tuple[str, object]]:
+    """The daemon's settings for ``stats settings``: memcached's names first (``maxconns``,
+    ``tcpport``, ``inter``, ``domain_socket``, ``idle_timeout``), then ours. Values have no spaces."""
+    fields: list[tuple[str, object]] = [
+        ("maxconns", config.max_connections),
+        ("tcpport", config.port if config.port is not None else 0),
+        ("inter", config.host if config.port is not None else "NULL"),
+        ("domain_socket", config.sock or "NULL"),
+        ("sock_mode", f"{config.sock_mode:o}" if config.sock_mode is not None else "NULL"),
+        ("idle_timeout", int(config.idle_timeout)),
+        ("layout", config.layout.describe()),
+        ("epoch_ms", config.layout.epoch_ms),
+        ("state_file", config.state_file or "NULL"),
+        ("max_clock_wait", config.max_clock_wait),
+        ("gets_cas", "yes" if config.gets_cas else "no"),
+        ("event_loop", config.loop),
+        ("log_level", config.log_level.lower()),
+        ("worker_id_lease", "redis" if config.lease is not None else "no"),
+    ]
+    if config.lease is not None:
+        fields += [
+            ("lease_namespace", config.lease.target.namespace),
+            ("lease_min_worker_id", config.lease.min_worker_id),
+            ("lease_max_worker_id", config.lease.max_worker_id),
+        ]
+    return fields

@@ -64,7 +64,8 @@ class Issuer:
     """Issues IDs from one :class:`Generator` to every front end, and keeps their counters.
 
     ``stats_fields`` is what STATS-like commands of every front end report; the daemon replaces it
-    with its full set (connections, lease). ``unavailable``, when set (shutting down, acquiring a
+    with its full set (connections, lease). ``settings_fields`` is what ``stats settings`` reports;
+    the daemon replaces it with its configuration. ``unavailable``, when set (shutting down, acquiring a
     lease), is reported by :meth:`health` before anything else.
     """
 
@@ -76,6 +77,7 @@ class Issuer:
         self._counters: dict[str, Counters] = {}
         self.unavailable: str | None = None
         self.stats_fields: Callable[[], list[tuple[str, object]]] = self._basic_fields
+        self.settings_fields: Callable[[], list[tuple[str, object]]] = self._basic_settings
         self._logged: dict[type, float] = {}
 
     @property
@@ -157,3 +159,7 @@ class Issuer:
             ("get_misses", failures),
             ("worker_id", self._generator.worker_id),
         ]
+
+    def _basic_settings(self) -> list[tuple[str, object]]:
+        layout = self._generator.layout
+        return [("layout", layout.describe()), ("epoch_ms", layout.epoch_ms)]
