@@ -1,18 +1,36 @@
-# katsubushi-py: the same install step as the README's, on a slim Python base, as a non-root user.
-FROM python:3.12-slim
+# katsubushi-py: the wheel built from this checkout, on a slim Python base, as a numeric non-root user.
+#   docker build -t katsubushi-py .
+#   docker run -d --name ids -p 127.0.0.1:11212:11212 -e WORKER_ID=1 -v katsubushi-data:/data katsubushi-py
+# The README's Docker section has the rest (user networks, worker ids, the health check).
 
+FROM python:3.12-slim-bookworm AS build
 WORKDIR /src
-COPY pyproject.toml README.md ./
+COPY pyproject.toml README.md LICENSE CHANGELOG.md MANIFEST.in ./
 COPY katsubushi_py ./katsubushi_py
-RUN pip install --no-cache-dir . && rm -rf /src \
-    && useradd --system --uid 10001 --no-create-home katsubushi
+RUN pip wheel --no-cache-dir --no-deps --wheel-dir /wheels .
 
-USER katsubushi
-WORKDIR /
+FROM python:3.12-slim-bookworm
+COPY --from=build /wheels /wheels
+# The wheel just built, with the grpc extra (for --grpc-port). /data holds the state file (a
+# high-water mark, so a restarted container never reissues IDs).
+RUN set -- /wheels/katsubushi_py-*.whl \
+    && pip install --no-cache-dir "katsubushi-py[grpc] @ file://$1" \
+    && rm -rf /wheels \
+    && mkdir /data \
+    && chown 10001:10001 /data \
+    && chmod 0700 /data
+ENV PYTHONUNBUFFERED=1 \
+    STATE_DIR=/data
+VOLUME /data
+# Numeric, so that Kubernetes' runAsNonRoot can check it; no entry in /etc/passwd is needed.
+USER 10001:10001
+# memcached protocol; --http-port and --grpc-port (off unless given) are published the same way.
 EXPOSE 11212
-# WORKER_ID must be given: docker run -e WORKER_ID=1 ... (or pass --worker-id 1)
+# The daemon (process 1) answers what it received, stores its final mark and exits 0 on SIGTERM.
+STOPSIGNAL SIGTERM
+# Listens on every interface of the container; publish it on loopback or a user network only.
 ENTRYPOINT ["katsubushi-py", "--host", "0.0.0.0"]
-
-# Fetch one ID over the memcached protocol.
-HEALTHCHECK --interval=10s --timeout=3s --start-period=5s --retries=3 \
-    CMD ["python", "-c", "import socket,sys; s=socket.create_connection(('127.0.0.1',int(__import__('os').environ.get('PORT') or 11212)),2); s.sendall(b'GET health\\r\\n'); d=s.recv(256); sys.exit(0 if d.startswith(b'VALUE health 0 ') else 1)"]
+# Asks the daemon for one ID where process 1 listens: its own flags and environment, read from /proc/1,
+# so a container started with --port or --sock is checked there.
+HEALTHCHECK --interval=10s --timeout=5s --start-period=10s --retries=3 \
+    CMD ["katsubushi-py", "health", "--pid", "1", "--timeout", "3s"]

@@ -1,10 +1,12 @@
-"""The ``katsubushi-py`` command: serve IDs (the default), or one of the ID tools.
+"""The ``katsubushi-py`` command: serve IDs (the default), or one of the subcommands in ``COMMANDS``.
 
     katsubushi-py --worker-id 1                 serve on 127.0.0.1:11212
+    katsubushi-py health                        fetch one ID from the daemon these flags describe
     katsubushi-py decode ID...                  one JSON line per ID
-    katsubushi-py id-at TIME                    the smallest ID at an instant
+    katsubushi-py id-at TIME                    the smallest ID at an instant (or now)
     katsubushi-py partitions --start DATE --days N   MySQL PARTITION BY RANGE COLUMNS(id)
     katsubushi-py get [-n N] [--servers ...]    fetch IDs from running daemons, one per line
+    katsubushi-py help [COMMAND]                what each command takes
 
 Every failure is one line on stderr and a non-zero exit: 2 for bad input or configuration, 1 when
 the daemon cannot start or stops on an error (or, for ``get``, when no server could issue IDs).
@@ -22,7 +24,18 @@ import time
 from collections.abc import Callable, Sequence
 
 from . import __version__
-from .config import ConfigError, ServerConfig, _Parser, add_layout_options, layout_from_args, parse_server_config
+from .config import (
+    ConfigError,
+    ServerConfig,
+    _Parser,
+    add_layout_options,
+    build_parser,
+    layout_from_args,
+    listen_settings,
+    merged_settings,
+    parse_duration,
+    parse_server_config,
+)
 from .ids.encodings import ENCODINGS
 from .ids.layout import LayoutError
 from .ids.tools import ToolError, decode_many, id_at, partitions
@@ -48,6 +61,7 @@ def _tool_parser(name: str, description: str) -> argparse.ArgumentParser:
 
 
 def cmd_decode(argv: Sequence[str]) -> int:
+    """Print time, worker id and sequence of IDs as JSON lines."""
     parser = _tool_parser("decode", "Print time, worker id and sequence of IDs as JSON lines.")
     parser.add_argument("ids", nargs="*", help="IDs to decode; read from stdin when none are given")
     parser.add_argument("--encoding", choices=list(ENCODINGS), default="dec", help="how the IDs are written")
@@ -66,18 +80,26 @@ def cmd_decode(argv: Sequence[str]) -> int:
 
 
 def cmd_id_at(argv: Sequence[str]) -> int:
+    """Print the smallest ID of an instant: now, ISO-8601 or unix seconds."""
     parser = _tool_parser("id-at", "Print the smallest ID of an instant (worker 0, sequence 0).")
-    parser.add_argument("time", help="ISO-8601 (UTC when no offset is given) or unix seconds, e.g. 1465276650.777")
+    parser.add_argument(
+        "time",
+        help="now, ISO-8601 (UTC when no offset is given: 2026-01-01T09:00+09:00) or unix seconds (1465276650.777)",
+    )
     args = parser.parse_args(argv)
     layout = layout_from_args(args)
     try:
-        print(id_at(layout, args.time))
+        if args.time.strip().lower() == "now":
+            print(layout.compose(time.time_ns() // 1_000_000, 0, 0))
+        else:
+            print(id_at(layout, args.time))
     except (ToolError, LayoutError) as exc:
         return _fail(str(exc))
     return 0
 
 
 def cmd_partitions(argv: Sequence[str]) -> int:
+    """Print MySQL PARTITION BY RANGE COLUMNS(id), one partition per day."""
     parser = _tool_parser("partitions", "Print MySQL PARTITION BY RANGE COLUMNS(id), one partition per day.")
     parser.add_argument("--start", required=True, help="first day, e.g. 2026-01-01 or 2026-01-01T00:00+09:00")
     parser.add_argument("--days", type=int, default=7, help="number of daily partitions (default 7)")
@@ -94,6 +116,7 @@ def cmd_partitions(argv: Sequence[str]) -> int:
 
 # -- get -------------------------------------------------------------------------------------------
 def cmd_get(argv: Sequence[str]) -> int:
+    """Fetch IDs from running daemons (with failover), one per line."""
     from .client import DEFAULT_SERVERS, SERVERS_ENV, AllServersFailed, Client
     from .issuing.issuer import MAX_IDS_PER_REQUEST
 
@@ -231,15 +254,81 @@ def run_server(config: ServerConfig) -> int:
     return 0
 
 
+def _top_parser() -> argparse.ArgumentParser:
+    """The daemon's parser, with a usage and help that also list the subcommands."""
+    width = max(len(name) for name in COMMANDS) + 2
+    lines = [f"  {name:<{width}}{_summary(func)}" for name, func in COMMANDS.items()]
+    return build_parser(
+        usage=f"{PROG} [--worker-id N | --worker-id-from ordinal|ip | --redis URL] [options]\n"
+        f"       {PROG} COMMAND [options]      ({PROG} help COMMAND for its options)",
+        description="Serve unique 64-bit IDs over the memcached protocol (GET a -> one ID).\n\n"
+        "commands:\n" + "\n".join(lines),
+    )
+
+
+def _summary(func: Callable[[Sequence[str]], int]) -> str:
+    return (func.__doc__ or "").strip().split("\n", 1)[0]
+
+
 def cmd_serve(argv: Sequence[str]) -> int:
-    config, _ = parse_server_config(argv, os.environ)
+    """Serve IDs (the default when no command is given)."""
+    config, _ = parse_server_config(argv, os.environ, _top_parser())
     if config is None:
         print(f"{PROG} version: {__version__}")
         return 0
     return run_server(config)
 
 
+def cmd_health(argv: Sequence[str]) -> int:
+    """Fetch one ID from the daemon that the same flags and environment describe; exit 0 or 1."""
+    from .health import HealthError, daemon_arguments, fetch_one_id, read_process, targets
+
+    parser = build_parser(
+        prog=f"{PROG} health",
+        usage=f"{PROG} health [--pid PID | the daemon's flags] [--timeout DURATION]",
+        description="Ask a running daemon for one ID, the way it was configured: give this command the\n"
+        "daemon's own flags (or run it with the daemon's environment), or --pid to read both from the\n"
+        "daemon's process. Prints one line; exit status 0 if every listener answered with an ID, else 1.",
+    )
+    group = parser.add_argument_group("health check")
+    group.add_argument(
+        "--pid",
+        type=int,
+        metavar="PID",
+        help="read the daemon's flags and environment from /proc/PID (in a container: --pid 1)",
+    )
+    group.add_argument("--timeout", default="2s", metavar="DURATION", help="for each answer (default 2s)")
+    try:
+        args = parser.parse_args(list(argv))
+        timeout = parse_duration(args.timeout, "timeout")
+        pid = args.pid
+        if pid is None:
+            settings = merged_settings(args, os.environ)
+            layout = layout_from_args(args)
+        else:
+            # Daemon flags that were given: those absent from a bare parse (argparse.SUPPRESS) or changed.
+            defaults = vars(parser.parse_args([]))
+            given = {k for k, v in vars(args).items() if k not in defaults or defaults[k] != v}
+            if given - {"pid", "timeout"}:
+                raise ConfigError("--pid reads the daemon's flags from its process; give no others")
+            cmdline, environ = read_process(pid)
+            daemon_args = build_parser().parse_args(daemon_arguments(cmdline, pid))
+            settings = merged_settings(daemon_args, environ)
+            layout = layout_from_args(daemon_args)
+        found = targets(*listen_settings(settings))
+        answers = []
+        for target in found:
+            parts = layout.decompose(fetch_one_id(target, timeout))
+            answers.append(f"{target.display} issued {parts.id} (worker {parts.worker_id})")
+    except (ConfigError, HealthError) as exc:
+        print(f"{PROG} health: unhealthy: {exc}", file=sys.stderr)
+        return 1  # Docker reserves exit status 2; every failure is "unhealthy"
+    print(f"{PROG} health: ok: " + "; ".join(answers))
+    return 0
+
+
 def cmd_lease(argv: Sequence[str]) -> int:
+    """Inspect or create the Redis pool of worker ids (init, stats, list)."""
     from .leasing import LeaseError, parse_redis_url
     from .leasing.keeper import init_pool
     from .leasing.pool import pool_snapshot, pool_stats
@@ -304,13 +393,28 @@ def cmd_lease(argv: Sequence[str]) -> int:
         return _fail(f"{target.display}: {exc}", 1)
 
 
+def cmd_help(argv: Sequence[str]) -> int:
+    """Show what a command takes: help [COMMAND]."""
+    if not argv:
+        _top_parser().print_help()
+        return 0
+    name = argv[0]
+    if name not in COMMANDS:
+        return _fail(f"no command {name!r}; commands: {', '.join(COMMANDS)}")
+    if name == "help":
+        return cmd_help([])
+    return COMMANDS[name](["--help"])
+
+
 COMMANDS: dict[str, Callable[[Sequence[str]], int]] = {
     "serve": cmd_serve,
+    "health": cmd_health,
     "decode": cmd_decode,
     "id-at": cmd_id_at,
     "partitions": cmd_partitions,
     "lease": cmd_lease,
     "get": cmd_get,
+    "help": cmd_help,
 }
 
 
@@ -318,10 +422,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     if args and args[0] in COMMANDS:
         command, rest = COMMANDS[args[0]], args[1:]
+    elif args and not args[0].startswith("-"):
+        return _fail(f"unknown command {args[0]!r}; commands: {', '.join(COMMANDS)} (or options to serve)")
     else:
         command, rest = cmd_serve, args
     try:
         return command(rest)
+    except SystemExit as exc:  # argparse after --help
+        return exc.code if isinstance(exc.code, int) else 0
     except ConfigError as exc:
         return _fail(str(exc))
     except BrokenPipeError:

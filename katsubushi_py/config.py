@@ -3,6 +3,8 @@
 go-katsubushi's spellings work unchanged (``-worker-id 7 -port 11212 -idle-timeout 10m``, and the
 environment variables ``WORKER_ID``, ``PORT``, ``SOCK``, ``IDLE_TIMEOUT``, ``LOG_LEVEL`` in upper or
 lower case); a flag wins over the environment. Every problem becomes one :class:`ConfigError` line.
+The worker id comes from exactly one place: ``--worker-id``, ``--worker-id-from`` (see
+:mod:`.worker_ids`) or a Redis lease.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from dataclasses import dataclass, field
 from .ids.layout import DEFAULT_LAYOUT, KATSUBUSHI_EPOCH_MS, Layout, LayoutError
 from .ids.tools import ToolError, parse_epoch
 from .leasing import LeaseError, LeaseTimings, RedisTarget, parse_redis_url
+from .worker_ids import METHODS, WorkerIdError, derive
 
 DEFAULT_PORT = 11212
 DEFAULT_IDLE_TIMEOUT = 600.0
@@ -50,6 +53,9 @@ ENV_FLAGS = (
 
 GRPC_INSTALL_HINT = "pip install 'katsubushi-py[grpc]'"
 APP_DIR = "katsubushi-py"
+# Ours, read the same way. (Not HOSTNAME: shells and container runtimes set it, and the kernel's
+# host name is the one that counts; --hostname overrides it explicitly.)
+OUR_ENV_FLAGS = ("worker_id_from", "worker_id_offset")
 
 
 class ConfigError(ValueError):
@@ -95,6 +101,7 @@ class LeaseConfig:
 @dataclass(frozen=True)
 class ServerConfig:
     worker_id: int | None  # None: leased from Redis (see ``lease``)
+    worker_id_source: str = "--worker-id"  # for the log: where the worker id came from
     host: str = "127.0.0.1"
     port: int | None = DEFAULT_PORT  # None: no TCP listener (unix socket only)
     sock: str | None = None
@@ -153,13 +160,37 @@ def layout_from_args(args: argparse.Namespace) -> Layout:
         raise ConfigError(str(exc)) from None
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(
+    prog: str = "katsubushi-py",
+    description: str = "Serve unique 64-bit IDs over the memcached protocol (GET a -> one ID).",
+    epilog: str | None = None,
+    usage: str | None = None,
+) -> argparse.ArgumentParser:
+    """The daemon's flags; ``katsubushi-py health`` parses the same ones under its own name."""
     parser = _Parser(
-        prog="katsubushi-py",
-        description="Serve unique 64-bit IDs over the memcached protocol (GET a -> one ID).",
+        prog=prog,
+        description=description,
+        epilog=epilog,
+        usage=usage,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
         allow_abbrev=False,
     )
-    _flag(parser, "worker-id", metavar="N", help="this daemon's worker id (env WORKER_ID); required")
+    _flag(
+        parser,
+        "worker-id",
+        metavar="N",
+        help="this daemon's worker id (env WORKER_ID); unique per daemon. Or --worker-id-from, or --redis",
+    )
+    _flag(
+        parser,
+        "worker-id-from",
+        metavar="METHOD",
+        choices=list(METHODS),
+        help="ordinal: the host name's trailing -N (StatefulSet pod name-3 -> 3); ip: the low worker-bits"
+        " bits of the default route's IPv4 address (env WORKER_ID_FROM)",
+    )
+    _flag(parser, "worker-id-offset", metavar="N", help="added to the ordinal (env WORKER_ID_OFFSET)")
+    _flag(parser, "hostname", metavar="NAME", help="the host name for --worker-id-from ordinal (default: the kernel's)")
     _flag(parser, "host", metavar="ADDR", help="TCP address to listen on (default 127.0.0.1; 0.0.0.0 or :: for all)")
     _flag(parser, "port", metavar="PORT", help=f"TCP port (default {DEFAULT_PORT}; env PORT)")
     _flag(
@@ -281,45 +312,102 @@ def _int(value: object, name: str, low: int, high: int | None = None) -> int:
     return number
 
 
-def parse_server_config(
-    argv: Sequence[str], environ: Mapping[str, str]
-) -> tuple[ServerConfig | None, argparse.Namespace]:
-    """Parse the serve command line. Returns (None, args) when only ``--version`` was asked for."""
-    args = build_parser().parse_args(list(argv))
-    if args.version:
-        return None, args
-    given = vars(args)
-    for name in ENV_FLAGS:
+def merged_settings(args: argparse.Namespace, environ: Mapping[str, str]) -> dict[str, object]:
+    """The flags given, plus the environment variables of those not given (a flag wins)."""
+    given = dict(vars(args))
+    for name in ENV_FLAGS + OUR_ENV_FLAGS:
         if name not in given:
             value = _env(environ, name)
             if value is not None:
                 given[name] = value
+    return given
 
-    layout = layout_from_args(args)
-    lease = _lease_config(given, layout)
-    worker_id: int | None = None
-    if "worker_id" in given:
-        worker_id = _int(given["worker_id"], "worker id", 0)
-        if lease is not None:
-            if worker_id != 0:  # go-katsubushi reads 0 as "unset" and then uses -redis
-                raise ConfigError("use either --worker-id or --redis, not both")
-            worker_id = None
-        else:
-            try:
-                layout.check_worker_id(worker_id)
-            except LayoutError as exc:
-                raise ConfigError(f"invalid worker id: {exc}") from None
-    elif lease is None:
-        raise ConfigError(
-            "set --worker-id N (or WORKER_ID), or --redis URL to lease one;"
-            " it must differ on every daemon that issues IDs"
-        )
 
-    sock = given.get("sock") or None
+def listen_settings(given: Mapping[str, object]) -> tuple[str, int | None, str | None]:
+    """(host, port or None, unix socket path or None) as the daemon listens with these settings."""
+    sock = str(given.get("sock") or "") or None
     port_given = "port" in given
     port: int | None = _int(given["port"], "port", 0, 65535) if port_given else DEFAULT_PORT
     if sock and not port_given:
         port = None  # as in katsubushi: --sock alone means unix socket only
+    return str(given.get("host", "127.0.0.1")), port, sock
+
+
+def _check_parent_directory(path: str, option: str) -> None:
+    """A missing directory is named, so the user knows what to create (and by whom: the daemon's user)."""
+    parent = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(parent):
+        raise ConfigError(
+            f"{option} {path}: directory {parent} does not exist; create it (mkdir -p {parent})"
+            " and make it writable by the daemon's user"
+        )
+
+
+def _worker_id(given: dict[str, object], layout: Layout, leasing: bool, from_flag: bool) -> tuple[int | None, str]:
+    """The worker id (None: leased from Redis) and where it came from."""
+    method = str(given.get("worker_id_from") or "").lower()
+    if not method:
+        for name in ("worker_id_offset", "hostname"):
+            if name in given:
+                raise ConfigError(f"--{name.replace('_', '-')} needs --worker-id-from ordinal")
+    elif method != "ordinal":
+        for name in ("worker_id_offset", "hostname"):
+            if name in given:
+                raise ConfigError(f"--{name.replace('_', '-')} applies to --worker-id-from ordinal only")
+
+    if "worker_id" in given:
+        worker_id = _int(given["worker_id"], "worker id", 0)
+        if leasing:
+            if worker_id != 0:  # go-katsubushi reads 0 as "unset" and then uses -redis
+                raise ConfigError("use either --worker-id or --redis, not both")
+            if method:
+                raise ConfigError(f"use either --worker-id-from {method} or --redis, not both")
+            return None, "Redis lease"
+        if method:
+            raise ConfigError(f"use either --worker-id or --worker-id-from {method}, not both")
+        try:
+            layout.check_worker_id(worker_id)
+        except LayoutError as exc:
+            raise ConfigError(f"invalid worker id: {exc}") from None
+        return worker_id, "--worker-id" if from_flag else "WORKER_ID"
+    if method:
+        if leasing:
+            raise ConfigError(f"use either --worker-id-from {method} or --redis, not both")
+        if method not in METHODS:
+            raise ConfigError(f"invalid worker id method {method!r}: use {' or '.join(METHODS)}")
+        offset = _int(given.get("worker_id_offset", 0), "worker id offset", -(1 << 32))
+        try:
+            derived = derive(method, layout, hostname=str(given.get("hostname") or ""), offset=offset)
+        except WorkerIdError as exc:
+            raise ConfigError(f"--worker-id-from {method}: {exc}") from None
+        return derived.worker_id, derived.source
+    if leasing:
+        return None, "Redis lease"
+    raise ConfigError(
+        "set --worker-id N (or WORKER_ID), --worker-id-from ordinal|ip, or --redis URL to lease one;"
+        " it must differ on every daemon that issues IDs"
+    )
+
+
+def parse_server_config(
+    argv: Sequence[str], environ: Mapping[str, str], parser: argparse.ArgumentParser | None = None
+) -> tuple[ServerConfig | None, argparse.Namespace]:
+    """Parse the serve command line (with ``parser``, the cli's, whose help lists the subcommands).
+    Returns (None, args) when only ``--version`` was asked for."""
+    args = (parser or build_parser()).parse_args(list(argv))
+    if args.version:
+        return None, args
+    given = merged_settings(args, environ)
+
+    layout = layout_from_args(args)
+    lease = _lease_config(given, layout)
+    worker_id, worker_id_source = _worker_id(given, layout, lease is not None, "worker_id" in vars(args))
+    host, port, sock = listen_settings(given)
+    if sock:
+        _check_parent_directory(sock, "--sock")
+    state_file = str(given.get("state_file") or "") or None
+    if state_file:
+        _check_parent_directory(state_file, "--state-file")
 
     sock_mode = None
     if "sock_mode" in given:
@@ -347,7 +435,8 @@ def parse_server_config(
 
     config = ServerConfig(
         worker_id=worker_id,
-        host=str(given.get("host", "127.0.0.1")),
+        worker_id_source=worker_id_source,
+        host=host,
         port=port,
         sock=sock,
         sock_mode=sock_mode,

@@ -115,6 +115,11 @@ _DAEMON_VARS = {
 }
 # Parent of the state directories of daemons started outside a DaemonFactory; removed at exit.
 _SESSION_STATE = tempfile.TemporaryDirectory(prefix="kp-state-")
+# And a daemon that a test starts with this process's environment keeps its state here too: never in
+# the machine's own directories (/var/lib/katsubushi-py as root, ~/.local/state), which concurrent
+# test runs would share, locks included.
+os.environ["STATE_DIRECTORY"] = os.path.join(_SESSION_STATE.name, "inherited")
+os.environ.pop("STATE_DIR", None)
 
 
 def daemon_env(state_dir: Path | None = None, extra: dict[str, str] | None = None) -> dict[str, str]:

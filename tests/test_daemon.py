@@ -334,7 +334,7 @@ def run_cli(*args: str, env: dict[str, str] | None = None) -> subprocess.Complet
         (("--worker-id", "1", "--sock-mode", "0660"), "needs --sock"),
         (("--worker-id", "1", "--nonsense"), "unrecognized arguments"),
         (("--worker-id", "1", "--time-bits", "50"), "at most 63 fit"),
-        (("--worker-id", "1", "--state-file", "/nonexistent-dir/state"), "cannot write state file"),
+        (("--worker-id", "1", "--state-file", "/nonexistent-dir/state"), "directory /nonexistent-dir does not exist"),
     ],
 )
 def test_bad_configuration_is_one_line_and_nonzero(args: tuple[str, ...], message: str) -> None:
@@ -413,7 +413,7 @@ def test_json_log_format(daemons: DaemonFactory) -> None:
     d = daemons.start("--log-format", "json")
     assert d.stop() == 0
     records = [json.loads(line) for line in d.stderr().splitlines()]
-    assert records[0]["level"] == "info" and "serving worker id 7" in records[0]["msg"]
+    assert records[0]["level"] == "info" and "serving worker id 7 from --worker-id" in records[0]["msg"]
     assert records[-1]["msg"] == "stopped"
     assert all(r["time"].endswith("Z") for r in records)
 

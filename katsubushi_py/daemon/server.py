@@ -26,6 +26,7 @@ from ..issuing.generator import Generator
 from ..issuing.issuer import Issuer
 from ..issuing.statefile import StateFile
 from ..leasing import LeaseError, LeaseKeeper
+from .activation import ActivationError, describe, inherited_sockets
 from .connection import ConnectionHandler
 from .stats import Stats, settings_fields
 
@@ -155,13 +156,15 @@ class Daemon:
     async def start(self) -> None:
         config = self.config
         backlog = min(4096, max(128, config.max_connections))
-        if config.port is not None:
+        # Socket activation replaces the memcached listeners (--port, --sock); HTTP and gRPC bind as usual.
+        activated = await self._start_inherited(backlog)
+        if config.port is not None and not activated:
             await self._listen_tcp(lambda: ConnectionHandler(self), config.port)
         if config.http_port is not None:
             await self._start_http(config.http_port)
         if config.grpc_port is not None:
             await self._start_grpc(config.grpc_port)
-        if config.sock:
+        if config.sock and not activated:
             prepare_unix_socket(config.sock)
             try:
                 server = await self.loop.create_unix_server(
@@ -175,6 +178,25 @@ class Daemon:
             if config.sock_mode is not None:
                 os.chmod(config.sock, config.sock_mode)
             self.addresses.append(config.sock)
+
+    async def _start_inherited(self, backlog: int) -> bool:
+        """Serve on the sockets systemd passed (socket activation) instead of binding; False if none."""
+        try:
+            inherited = inherited_sockets()
+        except ActivationError as exc:
+            raise StartupError(str(exc)) from None
+        for sock in inherited:
+            if sock.family == socket.AF_UNIX:
+                server = await self.loop.create_unix_server(lambda: ConnectionHandler(self), sock=sock, backlog=backlog)
+            else:
+                server = await self.loop.create_server(lambda: ConnectionHandler(self), sock=sock, backlog=backlog)
+            self.servers.append(server)
+            self.addresses.append(describe(sock))
+        if inherited:
+            log.info(
+                "serving memcached on %d socket(s) passed by systemd; --port and --sock are not used", len(inherited)
+            )
+        return bool(inherited)
 
     async def close_listeners(self) -> None:
         for server in self.servers:
@@ -273,9 +295,10 @@ async def serve(
         if keeper is None:
             state = f"state file {generator.state_path}{source}" if generator.state_path else "no state file"
             log.info(
-                "katsubushi-py %s serving worker id %d on %s (loop %s); %s",
+                "katsubushi-py %s serving worker id %d from %s on %s (loop %s); %s",
                 __version__,
                 generator.worker_id,
+                config.worker_id_source,
                 where,
                 flavour,
                 state,

@@ -1,0 +1,137 @@
+"""``katsubushi-py health``: ask a running daemon for one ID, the way the daemon was configured.
+
+A health check that guesses the port reports a healthy daemon as unhealthy as soon as it was started
+with ``--port`` or ``--sock`` (the old Dockerfile's HEALTHCHECK read only ``$PORT``). So the check
+takes the daemon's own flags and environment variables, parsed by the daemon's own parser: either
+given to it directly, or read from ``/proc/PID`` (``--pid 1`` in a container, where the daemon is
+process 1 and a HEALTHCHECK sees neither its arguments nor anything set after it started).
+
+Success is a real ``GET`` answered with a well-formed ID: a daemon that is up but cannot issue (clock
+far behind, lease not confirmed) answers ``SERVER_ERROR`` and is reported unhealthy with its reason.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+_REQUEST = b"GET health\r\n"
+_MAX_REPLY = 4096
+_ANY_ADDRESS = {"": "127.0.0.1", "0.0.0.0": "127.0.0.1", "*": "127.0.0.1", "::": "::1", "[::]": "::1"}
+
+
+class HealthError(Exception):
+    """The daemon is not healthy, or cannot be reached: the message is the one line printed."""
+
+
+@dataclass(frozen=True)
+class Target:
+    """One listener of the daemon: a TCP address or a unix socket path."""
+
+    host: str | None
+    port: int | None
+    path: str | None
+
+    @property
+    def display(self) -> str:
+        if self.path is not None:
+            return self.path
+        return f"[{self.host}]:{self.port}" if self.host and ":" in self.host else f"{self.host}:{self.port}"
+
+
+def targets(host: str, port: int | None, sock: str | None) -> list[Target]:
+    """Where to ask, from the daemon's listen settings (an any-address listener is asked on loopback)."""
+    found = []
+    if sock:
+        found.append(Target(None, None, sock))
+    if port is not None:
+        if port == 0:
+            raise HealthError("the daemon listens on port 0 (a random port); give the health check its real --port")
+        found.append(Target(_ANY_ADDRESS.get(host.strip(), host.strip()), port, None))
+    return found
+
+
+def fetch_one_id(target: Target, timeout: float) -> int:
+    """Send ``GET health`` and return the ID of a well-formed reply; raise HealthError otherwise."""
+    deadline = time.monotonic() + timeout
+    try:
+        if target.path is not None:
+            conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            conn.settimeout(timeout)
+            try:
+                conn.connect(target.path)
+            except BaseException:
+                conn.close()
+                raise
+        else:
+            assert target.host is not None and target.port is not None
+            conn = socket.create_connection((target.host, target.port), timeout=timeout)
+        with conn:
+            conn.sendall(_REQUEST)
+            reply = b""
+            while not (reply.endswith(b"END\r\n") or (reply.endswith(b"\r\n") and not reply.startswith(b"VALUE"))):
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError
+                conn.settimeout(left)
+                chunk = conn.recv(_MAX_REPLY)
+                if not chunk:
+                    break
+                reply += chunk
+                if len(reply) > _MAX_REPLY:
+                    break
+    except TimeoutError:
+        raise HealthError(f"{target.display}: no answer within {timeout:g} s") from None
+    except OSError as exc:
+        raise HealthError(f"{target.display}: {exc.strerror or exc}") from None
+    return _parse_reply(target, reply)
+
+
+def _parse_reply(target: Target, reply: bytes) -> int:
+    lines = reply.split(b"\r\n")
+    if len(lines) == 4 and lines[2:] == [b"END", b""] and lines[0].startswith(b"VALUE health 0 "):
+        value = lines[1]
+        if value.isdigit() and lines[0] == b"VALUE health 0 %d" % len(value):
+            return int(value)
+    first = reply.split(b"\r\n", 1)[0][:200].decode("utf-8", "replace")
+    if not reply:
+        raise HealthError(f"{target.display}: the connection closed without an answer")
+    raise HealthError(f"{target.display}: answered {first!r} instead of an ID")
+
+
+def read_process(pid: int) -> tuple[list[str], dict[str, str]]:
+    """The command line and environment of a process, from /proc (Linux)."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            cmdline = [part.decode("utf-8", "surrogateescape") for part in f.read().split(b"\0")[:-1]]
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            environ = {}
+            for entry in f.read().split(b"\0"):
+                name, sep, value = entry.decode("utf-8", "surrogateescape").partition("=")
+                if sep:
+                    environ[name] = value
+    except OSError as exc:
+        raise HealthError(f"cannot read process {pid}: {exc.strerror or exc}") from None
+    return cmdline, environ
+
+
+def daemon_arguments(cmdline: Sequence[str], pid: int) -> list[str]:
+    """The daemon's own arguments, after ``katsubushi-py`` or ``python -m katsubushi_py`` (and ``serve``)."""
+    rest: list[str] | None = None
+    for i, arg in enumerate(cmdline):
+        if os.path.basename(arg) == "katsubushi-py":
+            rest = list(cmdline[i + 1 :])
+            break
+        if arg == "-m" and cmdline[i + 1 : i + 2] == ["katsubushi_py"]:
+            rest = list(cmdline[i + 2 :])
+            break
+    if rest is None:
+        raise HealthError(f"process {pid} is not katsubushi-py: {' '.join(cmdline)[:200]!r}")
+    if rest[:1] == ["serve"]:
+        rest = rest[1:]
+    elif rest and not rest[0].startswith("-"):
+        raise HealthError(f"process {pid} runs 'katsubushi-py {rest[0]}', not the daemon")
+    return rest
