@@ -200,13 +200,15 @@ class Sim:
 
             # Rolling restart: everyone stops cleanly and is replaced, a tenth at a time.
             started = time.monotonic()
+            batches = []
             for start in range(0, a.holders, n):
                 batch = self.holders[start : start + n]
                 await asyncio.gather(*(h.stop_cleanly() for h in batch))
                 fresh = [self.new_holder() for _ in batch]
                 self.holders[start : start + n] = fresh
-                await self.until_all_serve(fresh, timeout=a.ttl * 4 + 60)
+                batches.append(round(await self.until_all_serve(fresh, timeout=a.ttl * 4 + 60), 3))
             results["rolling_restart_s"] = time.monotonic() - started
+            results["rolling_batches_s"] = batches
             results["rolling_doubles"] = self.double_samples
 
             # Redis restart without persistence: the pool is lost, seen, and waited out.

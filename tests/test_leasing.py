@@ -96,6 +96,22 @@ def test_clean_shutdown_releases_the_id_for_immediate_reuse(daemons: DaemonFacto
     assert "released worker id 5" in first.stderr()
 
 
+def test_a_daemon_that_issued_nothing_releases_cleanly_too(daemons: DaemonFactory, redis_server: RedisServer) -> None:
+    """Its renews reserved a mark a ttl ahead; the release replaces it with what it really issued
+    (nothing), so the next daemon takes the id at once instead of finding a mark later than the
+    release (a damaged-looking record, quarantined for ttl + 2 x skew)."""
+    one = ("--min-worker-id", "6", "--max-worker-id", "6")
+    idle = start_leased(daemons, redis_server.url, *one)
+    wait_until(lambda: int(stats(idle)["lease_renewals"]) >= 2, timeout=10)
+    assert idle.stop() == 0
+    assert int(redis_server.client().hget("{t}:last_ms", 6)) == 0
+    started = time.monotonic()
+    second = start_leased(daemons, redis_server.url, *one)
+    assert time.monotonic() - started < DELAY
+    assert {decode(i)[1] for i in ids(second, 5)} == {6}
+    assert "DATA LOSS" not in second.stderr()
+
+
 def test_killed_daemon_frees_its_id_after_expiry_and_the_next_holder_issues_greater_ids(
     daemons: DaemonFactory, redis_server: RedisServer
 ) -> None:

@@ -422,7 +422,7 @@ class LeaseKeeper:
                 if problem:
                     log.warning("worker id %d: acquire not durable (%s); releasing and retrying", code, problem)
                     with contextlib.suppress(Exception):
-                        await self._release(lease, 0)
+                        await self._release(lease, -1)
                     await asyncio.sleep(backoff.next())
                     continue
                 self.stats.acquires += 1
@@ -531,6 +531,8 @@ class LeaseKeeper:
         self._nearly_full = nearly_full
 
     async def _release(self, lease: Lease, last_ms: int, quarantine: bool = False) -> bool:
+        """``last_ms``: the latest millisecond issued or inherited under the lease (replaces the mark);
+        -1 when the lease was never served under (the stored mark stays)."""
         ttl_ms, wait_ms, skew_ms = self._ms()
         client = await self._client()
         mode = "quarantine" if quarantine else "clean"
@@ -540,7 +542,8 @@ class LeaseKeeper:
         return int(result) == 1
 
     async def release(self, last_ms: int) -> None:
-        """Give the id back and store the last issued millisecond for the next holder."""
+        """Give the id back and store the last issued millisecond for the next holder: the generator's
+        ``last_issued_ms`` (which includes what it inherited at the handover), 0 if none."""
         self._stopping = True
         lease, self.lease = self.lease, None
         try:
@@ -588,7 +591,7 @@ class LeaseKeeper:
                 if state is not None:
                     state.unlock()
                 with contextlib.suppress(Exception):
-                    await self._release(lease, 0)
+                    await self._release(lease, -1)
                 raise
             self._take(acquired)
             return

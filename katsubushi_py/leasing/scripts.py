@@ -211,8 +211,10 @@ return {1, now, expiry, tonumber(pool[2]), version, free, redis.call('ZCARD', KE
 """
 )
 
-# KEYS: the six. ARGV: token id last_ms (0: keep the stored mark) epoch mode wait_ms mark_offset_ms channel.
-# mode 'clean': we stopped issuing at last_ms; the next holder may start at once after it.
+# KEYS: the six. ARGV: token id last_ms epoch mode wait_ms mark_offset_ms channel.
+# mode 'clean': we stopped issuing at last_ms, the exact latest millisecond we issued or inherited (0:
+# none), which replaces the mark reserved ahead at the last renew; the next holder may start at once
+# after it. last_ms -1: we never served under this lease; keep the stored mark.
 # mode 'quarantine': we must not use this id and someone else may be issuing under it (its state file
 # is locked by another daemon of our host): lease it to nobody for wait_ms (ARGV[6]), mark ARGV[7].
 # Returns 1, or 0 if the id is not ours (or the pool is not the one we leased it from).
@@ -228,8 +230,9 @@ if ARGV[5] == 'quarantine' then
 end
 redis.call('HDEL', KEYS[2], ARGV[2])
 redis.call('ZADD', KEYS[1], now, ARGV[2])
--- A clean release knows exactly what it issued: that replaces the mark reserved ahead at the last renew.
-if tonumber(ARGV[3]) > 0 then redis.call('HSET', KEYS[3], ARGV[2], ARGV[3]) end
+-- A clean release knows exactly what it issued: that replaces the mark reserved ahead at the last renew
+-- (left there, a mark later than the release would make the record look damaged).
+if tonumber(ARGV[3]) >= 0 then redis.call('HSET', KEYS[3], ARGV[2], ARGV[3]) end
 redis.call('HSET', KEYS[4], ARGV[2], 1)
 redis.call('HINCRBY', KEYS[5], 'release', 1)
 redis.call('HINCRBY', KEYS[6], 'version', 1)
