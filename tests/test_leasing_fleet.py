@@ -149,7 +149,7 @@ def test_fleet_simulation_small_run(tmp_path: Path) -> None:
     print(result.stdout)
     assert figures["doubles_max"] == 0 and figures["checks"] > 50
     assert figures["steady_round_trips_per_renew"] == pytest.approx(1.0, abs=0.02)
-    assert figures["steady_busiest_tenth_share"] < 0.5  # not one burst (that would be ~1.0)
+    assert figures["steady_busiest_tenth_share"] < 0.3  # spread: one burst would be ~1.0, even 0.1
     assert figures["redis_restart_from_loss_s"] >= 3 + 2 * 1  # the recovery wait was waited out
     assert figures["data_loss_events_seen"] >= 100
 

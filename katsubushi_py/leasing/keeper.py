@@ -30,9 +30,10 @@ scripts, every script reading Redis's own ``TIME`` so all daemons share one cloc
 **At fleet scale** (a thousand daemons on one Redis): the daemon listens while it waits for a lease
 (GETs answer ``SERVER_ERROR`` with the reason, STATS shows the state and the wait); start-up retries
 with exponential backoff and jitter for ``start_timeout`` before giving up; renews come at a jittered
-interval (80 to 100% of ``renew``) so a fleet started at once does not renew in one burst, in one round
-trip each; a failed renew is retried at once on a fresh connection; a daemon waiting for a free id
-subscribes to releases and tries again as soon as one is announced (or when the next lease expires).
+interval (after taking a lease, anywhere in the first interval; then 80 to 100% of ``renew``) so a
+fleet started at once does not renew in one burst, in one round trip each; a failed renew is retried
+at once on a fresh connection; a daemon waiting for a free id subscribes to releases and tries again
+as soon as one is announced (or when the next lease expires).
 
 All keys of a namespace share the hash tag ``{ns}``, so a Redis Cluster keeps them in one slot.
 """
@@ -221,6 +222,7 @@ class LeaseKeeper:
         self._pubsub: Any = None
         self._logged: dict[str, float] = {}
         self._nearly_full = False
+        self._spread_next = True  # the next renew's interval is drawn from all of it (see _maintain)
 
     @property
     def recovery_wait(self) -> float:
@@ -611,6 +613,7 @@ class LeaseKeeper:
         self.stats.serve_after = now + max(0.0, delay_ms / 1000, recovery_ms / 1000)
         self.stats.deadline_mono = 0.0
         self.stats.next_renew = now
+        self._spread_next = True
         wait = self.stats.serve_after - now
         state = self.generator.state_path if self.generator is not None else None
         log.info(
@@ -695,8 +698,12 @@ class LeaseKeeper:
             if outcome == "ok":
                 self.stats.renewals += 1
                 self.stats.deadline_mono = sent + timings.ttl - timings.margin
-                # Jittered (80 to 100% of the interval, never later): a fleet started at once spreads out.
-                self.stats.next_renew = sent + timings.renew * random.uniform(0.8, 1.0)
+                # Jittered, never later than the interval: the first renew after taking a lease comes
+                # anywhere in it (so a fleet started at once is spread over the interval from then on),
+                # later ones after 80 to 100% of it (so the spread is kept).
+                spread = (0.1, 1.0) if self._spread_next else (0.8, 1.0)
+                self._spread_next = False
+                self.stats.next_renew = sent + timings.renew * random.uniform(*spread)
                 now_ms, barrier_ms = int(result[1]), int(result[3])
                 if barrier_ms > now_ms:  # a loss seen by another daemon since we acquired
                     until = received + (barrier_ms - now_ms) / 1000
