@@ -395,11 +395,13 @@ class LeaseKeeper:
                     if self._stopping:
                         raise
                     pause = backoff.next()
-                    if deadline is not None and time.monotonic() + pause > deadline:
-                        raise LeaseError(
-                            f"cannot lease a worker id from {self.target.display} within"
-                            f" --lease-start-timeout {self.start_timeout:g}s: {_describe(exc)}"
-                        ) from None
+                    if deadline is not None:
+                        if time.monotonic() >= deadline:
+                            raise LeaseError(
+                                f"cannot lease a worker id from {self.target.display} within"
+                                f" --lease-start-timeout {self.start_timeout:g}s: {_describe(exc)}"
+                            ) from None
+                        pause = min(pause, deadline - time.monotonic())  # one last try at the deadline
                     self._wait(f"Redis at {self.target.display} unreachable ({_describe(exc)})")
                     await asyncio.sleep(pause)
                     continue
@@ -642,14 +644,13 @@ class LeaseKeeper:
                 raise
             except Exception as exc:
                 await self._drop_client()
-                pause = backoff.next()
-                if time.monotonic() + pause > deadline:
+                if time.monotonic() >= deadline:
                     raise LeaseError(
                         f"cannot lease a worker id from {self.target.display} within --lease-start-timeout"
                         f" {self.start_timeout:g}s: {_describe(exc)}"
                     ) from None
                 self._wait(f"Redis at {self.target.display} unreachable ({_describe(exc)})")
-                await asyncio.sleep(pause)
+                await asyncio.sleep(min(backoff.next(), deadline - time.monotonic()))  # last try at the deadline
         log.info("clock differs from Redis TIME by %+.3fs", skew)
         await self._lease_new_id(generator, deadline)
         await self._maintain(generator)
