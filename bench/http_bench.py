@@ -56,6 +56,8 @@ def ensure_wrk() -> str:
 def katsubushi(port: int, http_port: int | None = None, grpc_port: int | None = None) -> list[str]:
     cmd = ["taskset", "-c", "0", sys.executable, "-m", "katsubushi_py", "--worker-id", "1", "--port", str(port)]
     cmd += ["--log-level", "warn", "--idle-timeout", "0"]
+    # Its own state directory: two daemons with worker id 1 run at once, and one state file is one daemon's.
+    cmd += ["--state-dir", tempfile.mkdtemp(prefix="khttp-state-")]
     if http_port:
         cmd += ["--http-port", str(http_port)]
     if grpc_port:

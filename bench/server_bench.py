@@ -142,7 +142,11 @@ class Server:
                 self.proc.wait()
 
 
-def katsubushi_cmd(port: int | None, sock: str | None) -> list[str]:
+def katsubushi_cmd(port: int | None, sock: str | None, state_dir: Path | None = None) -> list[str]:
+    """The daemon as a user starts it, state file included (in ``state_dir``, by default a new one:
+    two daemons running at once cannot share worker id 1's state file)."""
+    if state_dir is None:
+        state_dir = Path(tempfile.mkdtemp(prefix="kbench-state-"))
     cmd = [
         "taskset",
         "-c",
@@ -158,6 +162,8 @@ def katsubushi_cmd(port: int | None, sock: str | None) -> list[str]:
         "0",
         "--max-connections",
         "4096",
+        "--state-dir",
+        str(state_dir),
     ]
     if port is not None:
         cmd += ["--port", str(port)]
@@ -331,19 +337,27 @@ class Subject:
     python: str = sys.executable
     cpus: str = "0"
 
-    def cmd(self, port: int | None, sock: str | None, workdir: Path) -> list[str]:
-        cmd = katsubushi_cmd(port, sock)
+    def cmd(self, port: int | None, sock: str | None, state_dir: Path) -> list[str]:
+        """The command line; ``state_dir`` must be this instance's own (worker id 1's file is locked)."""
+        cmd = katsubushi_cmd(port, sock, state_dir)
         cmd[2] = self.cpus
         cmd[3] = self.python
+        if self.cwd is not None:  # an older checkout: it may predate --state-dir (it had no default state)
+            at = cmd.index("--state-dir")
+            del cmd[at : at + 2]
         return cmd + self.extra
 
 
-def start_subject(subject: Subject, port: int | None, sock: str | None, workdir: Path) -> Server:
+def start_subject(subject: Subject, port: int | None, sock: str | None, state_dir: Path) -> Server:
     env = {**os.environ, **subject.env}
     if subject.cwd is not None:
         env["PYTHONPATH"] = subject.cwd
     proc = subprocess.Popen(
-        subject.cmd(port, sock, workdir), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, env=env, cwd=subject.cwd
+        subject.cmd(port, sock, state_dir),
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        env=env,
+        cwd=subject.cwd,
     )
     wait_ready(port, sock, proc)
     return Server(subject.name, proc, port, sock, True)
@@ -428,7 +442,7 @@ def main() -> None:
     try:
         for subject in subjects:
             port, sock = free_port(), str(workdir / f"k{len(servers)}.sock")
-            server = start_subject(subject, port, sock, workdir)
+            server = start_subject(subject, port, sock, workdir / f"state-{len(servers)}")
             servers[(subject.name, "tcp")] = server
             servers[(subject.name, "unix")] = Server(subject.name, server.proc, None, sock, True)
         mport, msock = free_port(), str(workdir / "m.sock")
@@ -505,7 +519,11 @@ def main() -> None:
                     idle.setdefault(name, []).append(during)
                     log(f"{args.idle} idle connections {name:24s} RSS {before} kB -> {during} kB")
             for _ in range(args.runs):
-                startups.setdefault(names[0], []).append(startup_seconds(lambda p: subjects[0].cmd(p, None, workdir)))
+                startups.setdefault(names[0], []).append(
+                    startup_seconds(
+                        lambda p: subjects[0].cmd(p, None, Path(tempfile.mkdtemp(dir=workdir, prefix="state-")))
+                    )
+                )
                 startups.setdefault("memcached", []).append(
                     startup_seconds(lambda p: memcached_cmd(memcached, p, None))
                 )

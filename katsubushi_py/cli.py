@@ -41,8 +41,11 @@ from .ids.layout import LayoutError
 from .ids.tools import ToolError, decode_many, id_at, partitions
 from .issuing.errors import GenerationError
 from .issuing.generator import Generator
+from .issuing.statefile import StateDirectory, StateFile
 
 PROG = "katsubushi-py"
+# The widest pool `lease init` makes: 16 worker-id bits (the daemons' --worker-bits decides what they use).
+MAX_POOL_ID = 65535
 
 
 def _fail(message: str, status: int = 2) -> int:
@@ -188,41 +191,65 @@ def loop_factory(name: str) -> Callable[[], asyncio.AbstractEventLoop]:
     return asyncio.new_event_loop
 
 
+def _make_generator(config: ServerConfig, state_dir: StateDirectory | None) -> Generator:
+    """The daemon's generator: for a static worker id with its (locked) state file; for a leased one
+    fenced, until the lease keeper points it at a worker id and that id's state file."""
+    if config.worker_id is None:
+        assert config.lease is not None
+        generator = Generator(
+            config.lease.min_worker_id,
+            config.layout,
+            max_backwards_wait=config.max_clock_wait,
+            block_on_clock=False,  # a clock wait must not stall the event loop
+        )
+        generator.set_fence(0, "waiting for a worker id lease")
+        return generator
+    state: StateFile | None = None
+    if config.state_file:
+        state = StateFile(config.state_file)
+    elif state_dir is not None:
+        state = state_dir.file_for(config.worker_id)
+    return Generator(
+        config.worker_id,
+        config.layout,
+        max_backwards_wait=config.max_clock_wait,
+        state_file=state,
+        block_on_clock=False,  # a clock wait must not stall the event loop
+        allow_worker_id_change=config.state_file_new_worker_id,
+    )
+
+
 def run_server(config: ServerConfig) -> int:
     from .daemon.server import StartupError, serve
 
     setup_logging(config.log_level, config.log_format)
     log = logging.getLogger("katsubushi_py")
     factory = loop_factory(config.loop)
-
-    def make_generator(worker_id: int) -> Generator:
-        return Generator(
-            worker_id,
-            config.layout,
-            max_backwards_wait=config.max_clock_wait,
-            state_file=config.state_file,
-            block_on_clock=False,  # a clock wait must not stall the event loop
+    state_dir = StateDirectory(config.state_dir) if config.state_dir else None
+    if state_dir is None and config.state_file is None:
+        log.warning(
+            "--no-state-file: no state is kept, so a restart after the wall clock stepped back can reissue IDs,"
+            " and nothing stops a second daemon of this host from issuing under the same worker id"
         )
-
-    generator = None
-    if config.worker_id is not None:
-        try:
-            generator = make_generator(config.worker_id)
-        except GenerationError as exc:
-            return _fail(str(exc), 1)
+    try:
+        if state_dir is not None:
+            state_dir.create()
+        generator = _make_generator(config, state_dir)
+    except GenerationError as exc:
+        return _fail(str(exc), 1)
+    claim = state_dir.claim if state_dir is not None and config.lease is not None else None
     try:
         with asyncio.Runner(loop_factory=factory) as runner:
-            runner.run(serve(config, generator, make_generator))
+            runner.run(serve(config, generator, claim_state=claim))
     except StartupError as exc:
         return _fail(str(exc), 1)
     except KeyboardInterrupt:  # a second Ctrl-C during the graceful stop
         pass
     finally:
-        if generator is not None:
-            try:
-                generator.close()
-            except GenerationError as exc:
-                log.error("could not store the final high-water mark: %s", exc)
+        try:
+            generator.close()
+        except GenerationError as exc:
+            log.error("could not store the final high-water mark: %s", exc)
     log.info("stopped")
     return 0
 
@@ -302,15 +329,21 @@ def cmd_health(argv: Sequence[str]) -> int:
 
 def cmd_lease(argv: Sequence[str]) -> int:
     """Inspect or create the Redis pool of worker ids (init, stats, list)."""
-    from .leasing import LeaseError, LeaseKeeper, LeaseTimings, parse_redis_url
+    from .leasing import LeaseError, parse_redis_url
+    from .leasing.keeper import init_pool
     from .leasing.pool import pool_snapshot, pool_stats
 
     parser = _Parser(prog=f"{PROG} lease", description="Inspect or create the Redis pool of worker ids.")
     sub = parser.add_subparsers(dest="action", required=True)
     for action, text in (
-        ("init", "create the pool of worker ids MIN..MAX (does nothing if it exists)"),
-        ("stats", "counts: ids in use and free, lease time left, acquire and renew outcomes (JSON)"),
-        ("list", "one JSON line per worker id: owner, time left, last millisecond"),
+        (
+            "init",
+            "create the pool of worker ids MIN..MAX, serving at once (does nothing if it exists). Only for a"
+            " namespace that is new, or whose daemons are all stopped: a pool that daemons create themselves"
+            " waits out a lease ttl plus twice the clock skew first, in case Redis lost the one before",
+        ),
+        ("stats", "counts: ids in use, free and quarantined, data loss events, lease time left, outcomes (JSON)"),
+        ("list", "one JSON line per worker id: owner, time left, last millisecond, quarantined"),
     ):
         p = sub.add_parser(action, help=text, description=text)
         p.add_argument(
@@ -320,7 +353,12 @@ def cmd_lease(argv: Sequence[str]) -> int:
         )
         if action == "init":
             p.add_argument("--min", type=int, default=1, help="lowest worker id (default 1)")
-            p.add_argument("--max", type=int, default=1023, help="highest worker id (default 1023)")
+            p.add_argument(
+                "--max",
+                type=int,
+                default=1023,
+                help="highest worker id (default 1023; more with a wider --worker-bits on the daemons)",
+            )
     args = parser.parse_args(argv)
     if not args.redis:
         return _fail("set --redis URL (or REDIS)")
@@ -331,13 +369,9 @@ def cmd_lease(argv: Sequence[str]) -> int:
 
     async def run() -> int:
         if args.action == "init":
-            if not 0 <= args.min <= args.max <= 1023:
-                raise LeaseError("need 0 <= --min <= --max <= 1023")
-            keeper = LeaseKeeper(target, LeaseTimings(), args.min, args.max)
-            try:
-                added = await keeper.init_pool()
-            finally:
-                await keeper._drop_client()
+            if not 0 <= args.min <= args.max <= MAX_POOL_ID:
+                raise LeaseError(f"need 0 <= --min <= --max <= {MAX_POOL_ID}")
+            added = await init_pool(target, args.min, args.max)
             if added:
                 print(f"created worker id pool {args.min}..{args.max} in {target.display} ({added} ids)")
             else:

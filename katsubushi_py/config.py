@@ -36,7 +36,7 @@ LOG_LEVELS = {
     "critical": "CRITICAL",
 }
 
-# Flags whose value go-katsubushi also reads from the environment (name upper or lower case).
+# Flags whose value go-katsubushi also reads from the environment (name upper or lower case), and ours.
 ENV_FLAGS = (
     "worker_id",
     "port",
@@ -48,9 +48,11 @@ ENV_FLAGS = (
     "max_worker_id",
     "http_port",
     "grpc_port",
+    "state_dir",
 )
 
 GRPC_INSTALL_HINT = "pip install 'katsubushi-py[grpc]'"
+APP_DIR = "katsubushi-py"
 # Ours, read the same way. (Not HOSTNAME: shells and container runtimes set it, and the kernel's
 # host name is the one that counts; --hostname overrides it explicitly.)
 OUR_ENV_FLAGS = ("worker_id_from", "worker_id_offset")
@@ -92,6 +94,8 @@ class LeaseConfig:
     wait_for_free_id: bool = True
     clock_skew_warn: float = 0.5
     clock_skew_max: float = 5.0
+    start_timeout: float = 60.0  # how long start-up retries an unreachable Redis before giving up
+    free_warn: float = 0.05  # warn when fewer than this share of the pool's ids are free
 
 
 @dataclass(frozen=True)
@@ -106,7 +110,10 @@ class ServerConfig:
     max_connections: int = DEFAULT_MAX_CONNECTIONS
     log_level: str = "INFO"
     log_format: str = "text"
-    state_file: str | None = None
+    state_file: str | None = None  # --state-file: one file, for a static worker id
+    state_dir: str | None = None  # a file per worker id in it (the default; None with --no-state-file)
+    state_dir_source: str = ""  # where state_dir came from, for the start-up log line
+    state_file_new_worker_id: bool = False  # accept a state file written for another worker id
     max_clock_wait: float = 1.0
     layout: Layout = DEFAULT_LAYOUT
     loop: str = "auto"
@@ -209,9 +216,24 @@ def build_parser(
     _flag(parser, "log-format", metavar="FORMAT", choices=["text", "json"], help="text or json (default text)")
     _flag(
         parser,
-        "state-file",
-        metavar="PATH",
-        help="keep a high-water mark here so a restart never reissues IDs",
+        "state-dir",
+        metavar="DIR",
+        help="keep a high-water mark per worker id in DIR/worker-<id>.state so a restart never reissues IDs"
+        " (env STATE_DIR; default $STATE_DIRECTORY, /var/lib/katsubushi-py for root, else"
+        " $XDG_STATE_HOME/katsubushi-py or ~/.local/state/katsubushi-py)",
+    )
+    _flag(parser, "state-file", metavar="PATH", help="one state file instead of a directory (static --worker-id)")
+    parser.add_argument(
+        "--no-state-file",
+        action="store_true",
+        default=False,
+        help="keep no state: a restart after the clock stepped back can reissue IDs",
+    )
+    parser.add_argument(
+        "--state-file-new-worker-id",
+        action="store_true",
+        default=False,
+        help="accept a state file written for another worker id (after changing this daemon's worker id)",
     )
     _flag(
         parser,
@@ -246,6 +268,14 @@ def build_parser(
     _flag(lease, "lease-delay", metavar="DURATION", help="wait after taking a recently used id (default 2x renew)")
     _flag(lease, "clock-skew-warn", metavar="DURATION", help="warn above this clock difference to Redis TIME (0.5s)")
     _flag(lease, "clock-skew-max", metavar="DURATION", help="refuse to start when it differs by more (5s)")
+    _flag(
+        lease,
+        "lease-start-timeout",
+        metavar="DURATION",
+        help="at start, retry an unreachable or slow Redis this long, then exit (default 60s); the daemon"
+        " listens meanwhile and answers SERVER_ERROR",
+    )
+    _flag(lease, "lease-free-warn", metavar="PERCENT", help="warn when fewer than this %% of the pool is free (5)")
     lease.add_argument(
         "--no-wait-for-lease",
         action="store_true",
@@ -401,6 +431,7 @@ def parse_server_config(
     grpc_port = _int(given.get("grpc_port", 0), "grpc port", 0, 65535) or None
     if grpc_port is not None and not all(importlib.util.find_spec(m) for m in ("grpc", "grpc_reflection")):
         raise ConfigError(f"--grpc-port needs the grpc extra: {GRPC_INSTALL_HINT}")
+    state_file, state_dir, state_source = _state_config(given, lease is not None, environ)
 
     config = ServerConfig(
         worker_id=worker_id,
@@ -414,6 +445,9 @@ def parse_server_config(
         log_level=LOG_LEVELS[level_name],
         log_format=str(given.get("log_format", "text")),
         state_file=state_file,
+        state_dir=state_dir,
+        state_dir_source=state_source,
+        state_file_new_worker_id=bool(args.state_file_new_worker_id),
         max_clock_wait=max_wait,
         layout=layout,
         loop=str(given.get("loop", "auto")),
@@ -425,11 +459,53 @@ def parse_server_config(
     return config, args
 
 
+def default_state_dir(environ: Mapping[str, str], euid: int) -> tuple[str, str]:
+    """Where state lives when no flag says: (directory, where that came from).
+
+    systemd's ``StateDirectory=`` sets ``$STATE_DIRECTORY`` (a colon-separated list when it names
+    several; the first is ours); root uses /var/lib, anyone else the XDG state directory."""
+    systemd = environ.get("STATE_DIRECTORY", "").split(":")[0]
+    if systemd:
+        return systemd, "$STATE_DIRECTORY"
+    if euid == 0:
+        return f"/var/lib/{APP_DIR}", "default for root"
+    xdg = environ.get("XDG_STATE_HOME", "")
+    if xdg and os.path.isabs(xdg):
+        return os.path.join(xdg, APP_DIR), "$XDG_STATE_HOME"
+    home = environ.get("HOME") or os.path.expanduser("~")
+    return os.path.join(home, ".local", "state", APP_DIR), "default"
+
+
+def _state_config(
+    given: dict[str, object], leased: bool, environ: Mapping[str, str]
+) -> tuple[str | None, str | None, str]:
+    """(state file, state directory, source of the directory): exactly one of the first two, or
+    neither with --no-state-file."""
+    state_file = str(given.get("state_file") or "") or None
+    state_dir = str(given.get("state_dir") or "") or None
+    if given.get("no_state_file"):
+        if state_file or state_dir:
+            raise ConfigError("--no-state-file cannot be combined with --state-file or --state-dir")
+        return None, None, ""
+    if state_file and state_dir:
+        raise ConfigError("use either --state-file or --state-dir, not both")
+    if state_file:
+        if leased:
+            raise ConfigError(
+                "--state-file is for a static --worker-id; with --redis use --state-dir (a file per leased worker id)"
+            )
+        return state_file, None, ""
+    if state_dir:
+        return None, state_dir, "--state-dir or STATE_DIR"
+    directory, source = default_state_dir(environ, os.geteuid())
+    return None, directory, source
+
+
 def _lease_config(given: dict[str, object], layout: Layout) -> LeaseConfig | None:
     url = given.get("redis")
     if not url:
         # (--min/--max-worker-id without --redis are ignored, as go-katsubushi ignores them.)
-        for name in ("lease_ttl", "lease_renew", "lease_delay"):
+        for name in ("lease_ttl", "lease_renew", "lease_delay", "lease_start_timeout", "lease_free_warn"):
             if name in given:
                 raise ConfigError(f"--{name.replace('_', '-')} needs --redis")
         return None
@@ -454,6 +530,13 @@ def _lease_config(given: dict[str, object], layout: Layout) -> LeaseConfig | Non
     most = parse_duration(str(given.get("clock_skew_max", "5s")), "clock skew maximum")
     if warn > most:
         raise ConfigError("--clock-skew-warn must not exceed --clock-skew-max")
+    start_timeout = parse_duration(str(given.get("lease_start_timeout", "60s")), "lease start timeout")
+    try:
+        free_warn = float(str(given.get("lease_free_warn", "5")).strip().rstrip("%"))
+    except ValueError:
+        raise ConfigError(f"invalid --lease-free-warn {given['lease_free_warn']!r}: a percentage such as 5") from None
+    if not 0 <= free_warn <= 100:
+        raise ConfigError(f"invalid --lease-free-warn {free_warn:g}: must be 0..100")
     return LeaseConfig(
         target=target,
         min_worker_id=low,
@@ -462,4 +545,6 @@ def _lease_config(given: dict[str, object], layout: Layout) -> LeaseConfig | Non
         wait_for_free_id=not given.get("no_wait_for_lease", False),
         clock_skew_warn=warn,
         clock_skew_max=most,
+        start_timeout=start_timeout,
+        free_warn=free_warn / 100,
     )

@@ -8,6 +8,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -97,6 +98,39 @@ def wait_for_unix(path: str, proc: subprocess.Popen[bytes], timeout: float = 10.
 
 DAEMON_CMD = [sys.executable, "-m", "katsubushi_py"]
 
+# Variables a daemon reads that the machine running the tests may have set.
+_DAEMON_VARS = {
+    "WORKER_ID",
+    "PORT",
+    "SOCK",
+    "IDLE_TIMEOUT",
+    "LOG_LEVEL",
+    "REDIS",
+    "MIN_WORKER_ID",
+    "MAX_WORKER_ID",
+    "HTTP_PORT",
+    "GRPC_PORT",
+    "STATE_DIR",
+    "STATE_DIRECTORY",
+}
+# Parent of the state directories of daemons started outside a DaemonFactory; removed at exit.
+_SESSION_STATE = tempfile.TemporaryDirectory(prefix="kp-state-")
+# And a daemon that a test starts with this process's environment keeps its state here too: never in
+# the machine's own directories (/var/lib/katsubushi-py as root, ~/.local/state), which concurrent
+# test runs would share, locks included.
+os.environ["STATE_DIRECTORY"] = os.path.join(_SESSION_STATE.name, "inherited")
+os.environ.pop("STATE_DIR", None)
+
+
+def daemon_env(state_dir: Path | None = None, extra: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment for a daemon process: none of the outside variables it reads, and a state
+    directory of its own (by default a fresh one), never the machine's (/var/lib, ~/.local/state):
+    daemons of concurrent test runs would otherwise share their state files and their locks."""
+    env = {k: v for k, v in os.environ.items() if k.upper() not in _DAEMON_VARS}
+    env["STATE_DIRECTORY"] = str(state_dir or tempfile.mkdtemp(dir=_SESSION_STATE.name))
+    env.update(extra or {})
+    return env
+
 
 @dataclass
 class Daemon:
@@ -164,8 +198,8 @@ class DaemonFactory:
             argv += ["--sock", sock]
         argv += list(args)
         stderr_path = self.tmp_path / f"daemon-{len(self.started)}.log"
-        full_env = {k: v for k, v in os.environ.items() if k.upper() not in {"WORKER_ID", "PORT", "SOCK"}}
-        full_env.update(env or {})
+        # Each daemon its own default state directory (systemd's variable, the first place looked at).
+        full_env = daemon_env(self.tmp_path / f"state-{len(self.started)}", env)
         with open(stderr_path, "wb") as err:
             proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=err, env=full_env)
         daemon = Daemon(proc, real_port, sock, worker_id or 0, stderr_path, argv)
@@ -193,6 +227,18 @@ def daemons(tmp_path: Path) -> Iterator[DaemonFactory]:
         yield factory
     finally:
         factory.stop_all()
+
+
+@pytest.fixture
+def redis_server(tmp_path: Path) -> Iterator[object]:
+    """A real redis-server on a free port, without persistence (tests/redis_servers.py)."""
+    from redis_servers import start_redis  # it imports this module
+
+    server = start_redis(tmp_path / "redis")
+    try:
+        yield server
+    finally:
+        server.stop()
 
 
 @pytest.fixture

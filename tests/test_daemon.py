@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import DaemonFactory, decode, free_port, parse_values, recv_all, recv_until
+from conftest import DaemonFactory, daemon_env, decode, free_port, parse_values, recv_all, recv_until
 
 from katsubushi_py import __version__
 
@@ -312,10 +312,12 @@ def test_both_event_loops(daemons: DaemonFactory) -> None:
 
 
 def run_cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    full_env = {k: v for k, v in os.environ.items() if k.upper() not in {"WORKER_ID", "PORT", "SOCK"}}
-    full_env.update(env or {})
     return subprocess.run(
-        [sys.executable, "-m", "katsubushi_py", *args], capture_output=True, text=True, timeout=30, env=full_env
+        [sys.executable, "-m", "katsubushi_py", *args],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        env=daemon_env(None, env),
     )
 
 
@@ -384,7 +386,7 @@ def run_with_nofile_limit(soft: int, hard: int) -> tuple[str, bytes, int]:
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
 
     cmd = [sys.executable, "-m", "katsubushi_py", "--worker-id", "1", "--port", str(port), "--max-connections", "2000"]
-    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, preexec_fn=limit)
+    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, preexec_fn=limit, env=daemon_env())
     try:
         wait_for_port(port, proc)
         limits = Path(f"/proc/{proc.pid}/limits").read_text()

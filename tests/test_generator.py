@@ -249,6 +249,7 @@ def test_state_file_that_becomes_unwritable_fails_generation(tmp_path: Path, clo
     gen = Generator(1, clock=clock, state_file=d / "state")
     gen.next_id()
     (d / "state").unlink()
+    (d / "state.lock").unlink()  # the lock stays held on the open descriptor; only the name goes
     d.rmdir()
     clock.advance_ms(5000)
     with pytest.raises(StateFileError):

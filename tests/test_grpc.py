@@ -9,7 +9,7 @@ from collections.abc import Iterator
 
 import grpc
 import pytest
-from conftest import Daemon, DaemonFactory, decode, free_port, wait_for_port
+from conftest import Daemon, DaemonFactory, daemon_env, decode, free_port, wait_for_port
 from google.protobuf import descriptor_pb2
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from test_daemon import stats as mc_stats
@@ -140,7 +140,7 @@ def test_grpc_port_in_use_and_katsubushi_spelling(daemons: DaemonFactory) -> Non
     assert f"grpc://127.0.0.1:{port}" in d.stderr()
     second = subprocess.run(
         [sys.executable, "-m", "katsubushi_py", "--worker-id", "2", "--port", str(free_port())],
-        env={"GRPC_PORT": str(port), "PATH": "/usr/bin:/bin"},
+        env=daemon_env(None, {"GRPC_PORT": str(port), "PATH": "/usr/bin:/bin"}),
         capture_output=True,
         text=True,
         timeout=30,

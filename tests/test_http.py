@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 from conftest import Daemon, DaemonFactory, decode, free_port, recv_all, wait_for_port
+from lease_helpers import TTL, start_leased, wait_until
 from prometheus_client.parser import text_string_to_metric_families
 from redis_servers import RedisServer, start_redis
 from test_daemon import get as mc_get
@@ -20,7 +21,6 @@ from test_daemon import run_cli
 from test_daemon import stats as mc_stats
 from test_http_protocol import parse_replies
 from test_issuer import SteppableClock
-from test_leasing import TTL, start_leased, wait_until
 
 from katsubushi_py.config import ServerConfig
 from katsubushi_py.daemon.server import Daemon as InProcessDaemon

@@ -289,6 +289,8 @@ def test_socket_activation_serves_on_the_inherited_sockets(socket_activate: str,
     path = str(short_tmp / "activated.sock")
     log = short_tmp / "daemon.log"
     argv = [socket_activate, "-l", f"127.0.0.1:{port}", "-l", path]
+    # It clears the environment: name the state directory, or the daemon (as root) would use /var/lib's.
+    argv += ["-E", f"STATE_DIRECTORY={short_tmp / 'state'}"]
     argv += [*DAEMON_CMD, "--worker-id", "12", "--port", str(ignored_port), "--loop", loop]
     with open(log, "wb") as err:
         proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=err)

@@ -28,7 +28,7 @@ from .stats import Stats
 FAILURE_REASONS = tuple(sorted({cls.reason for cls in GenerationError.__subclasses__()} | {"internal"}))
 
 #: The lease keeper's states (``lease_state`` in STATS).
-LEASE_STATES = ("acquiring", "delay", "held", "unconfirmed")
+LEASE_STATES = ("connecting", "waiting", "recovering", "delay", "held", "unconfirmed")
 
 
 class DaemonCollector(Collector):
@@ -138,6 +138,24 @@ def _lease_metrics(fields: dict[str, object]) -> Iterator[Metric]:
         "katsubushi_worker_id_changes",
         "Times the lease was lost and another worker id leased",
         value=_number(fields.get("worker_id_changes")),
+    )
+    yield CounterMetricFamily(
+        "katsubushi_lease_data_loss_events",
+        "Losses of lease data this daemon saw in Redis (a pool or record forgotten or damaged)",
+        value=_number(fields.get("lease_data_loss_events")),
+    )
+    yield GaugeMetricFamily(
+        "katsubushi_lease_wait_seconds",
+        "How long the daemon has been waiting for a worker id lease (0 while it holds one)",
+        value=_number(fields.get("lease_wait_ms")) / 1000,
+    )
+    yield GaugeMetricFamily(
+        "katsubushi_lease_pool_ids", "Worker ids in the Redis pool", value=_number(fields.get("lease_pool_ids"))
+    )
+    yield GaugeMetricFamily(
+        "katsubushi_lease_pool_free_ids",
+        "Worker ids of the pool free at the last renew",
+        value=_number(fields.get("lease_pool_free")),
     )
 
 

@@ -24,6 +24,7 @@ from ..config import ServerConfig
 from ..issuing.errors import GenerationError
 from ..issuing.generator import Generator
 from ..issuing.issuer import Issuer
+from ..issuing.statefile import StateFile
 from ..leasing import LeaseError, LeaseKeeper
 from .activation import ActivationError, describe, inherited_sockets
 from .connection import ConnectionHandler
@@ -231,46 +232,45 @@ class Daemon:
             self.grpc_server = None
 
 
-async def _lease_generator(
-    keeper: LeaseKeeper, make_generator: Callable[[int], Generator], stop: asyncio.Event
-) -> Generator | None:
-    """Lease a worker id and wait out its delay; None if asked to stop meanwhile."""
-    starting = asyncio.ensure_future(keeper.start(make_generator))
-    stopping = asyncio.ensure_future(stop.wait())
-    try:
-        await asyncio.wait({starting, stopping}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        stopping.cancel()
-    if not starting.done():
-        starting.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await starting
-        return None
-    try:
-        return starting.result()
-    except (LeaseError, GenerationError) as exc:
-        raise StartupError(str(exc)) from None
-    except Exception as exc:  # the Redis client's connection and protocol errors
-        raise StartupError(f"cannot lease a worker id from {keeper.target.display}: {exc}") from None
+def _lease_failure(keeper: LeaseKeeper, exc: BaseException) -> StartupError:
+    """The one line a daemon that cannot lease a worker id exits with."""
+    if isinstance(exc, LeaseError | GenerationError):
+        return StartupError(str(exc))
+    return StartupError(f"cannot lease a worker id from {keeper.target.display}: {exc}")
 
 
 async def serve(
     config: ServerConfig,
-    generator: Generator | None,
-    make_generator: Callable[[int], Generator] | None = None,
+    generator: Generator,
     ready: Any = None,
+    *,
+    claim_state: Callable[[int], StateFile] | None = None,
 ) -> None:
-    """Run until SIGTERM or SIGINT, then stop gracefully. With ``config.lease`` the generator is made
-    by ``make_generator`` once a worker id is leased."""
+    """Run until SIGTERM or SIGINT, then stop gracefully.
+
+    With ``config.lease`` the daemon listens at once with its generator fenced (every request answers
+    ``SERVER_ERROR`` with what the lease waits for, STATS shows the lease state, health checks report
+    it unavailable) while the lease keeper connects, leases a worker id and keeps it; ``claim_state``
+    gives each leased id's state file. If the keeper gives up (Redis unreachable for the whole
+    --lease-start-timeout, no free id with --no-wait-for-lease, an unusable state directory) the
+    daemon stops with one line."""
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, stop.set)
     keeper: LeaseKeeper | None = None
+    keeping: asyncio.Task[None] | None = None
     daemon: Daemon | None = None
     try:
+        daemon = Daemon(config, generator, loop)
+        issuer = daemon.issuer
         if config.lease is not None:
             lease = config.lease
+
+            def lease_changed(reason: str | None) -> None:
+                if not daemon.stopping:  # type: ignore[union-attr]
+                    issuer.unavailable = reason
+
             keeper = LeaseKeeper(
                 lease.target,
                 lease.timings,
@@ -279,39 +279,59 @@ async def serve(
                 wait_for_free_id=lease.wait_for_free_id,
                 skew_warn=lease.clock_skew_warn,
                 skew_max=lease.clock_skew_max,
+                start_timeout=lease.start_timeout,
+                free_warn=lease.free_warn,
+                claim_state=claim_state,
+                on_change=lease_changed,
             )
-            assert make_generator is not None
-            generator = await _lease_generator(keeper, make_generator, stop)
-            if generator is None:
-                return
-        assert generator is not None
-        daemon = Daemon(config, generator, loop)
-        if keeper is not None:
+            issuer.unavailable = "waiting for a worker id lease"
             daemon.stats.extra = keeper.stat_fields
         raise_fd_limit(config.max_connections + _SPARE_FDS)
         await daemon.start()
-        log.info(
-            "katsubushi-py %s serving worker id %d from %s on %s (loop %s)",
-            __version__,
-            generator.worker_id,
-            config.worker_id_source,
-            ", ".join(daemon.addresses),
-            type(loop).__module__.split(".")[0],
-        )
+        where = ", ".join(daemon.addresses)
+        flavour = type(loop).__module__.split(".")[0]
+        # Where the state is kept goes into this line, after the listeners are up: a failed start stays one line.
+        source = f" ({config.state_dir_source})" if config.state_dir_source else ""
+        if keeper is None:
+            state = f"state file {generator.state_path}{source}" if generator.state_path else "no state file"
+            log.info(
+                "katsubushi-py %s serving worker id %d from %s on %s (loop %s); %s",
+                __version__,
+                generator.worker_id,
+                config.worker_id_source,
+                where,
+                flavour,
+                state,
+            )
+        else:
+            state = f"state directory {config.state_dir}{source}" if config.state_dir else "no state file"
+            log.info(
+                "katsubushi-py %s listening on %s (loop %s); leasing a worker id from %s; %s",
+                __version__,
+                where,
+                flavour,
+                keeper.target.display,
+                state,
+            )
+            keeping = loop.create_task(keeper.run(generator))
         if ready is not None:
             ready(daemon)
-        await stop.wait()
+        stopping = loop.create_task(stop.wait())
+        try:
+            await asyncio.wait({stopping, *([keeping] if keeping else [])}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            stopping.cancel()
+        if keeping is not None and keeping.done() and not keeping.cancelled():
+            failure = keeping.exception()
+            raise _lease_failure(keeper, failure) if failure is not None else StartupError("lease keeper stopped")  # type: ignore[arg-type]
         log.info("stopping")
     finally:
         if daemon is not None:
             await daemon.stop()
         if keeper is not None:
-            gen = keeper.generator
-            last_ms = 0
-            if gen is not None:
-                with contextlib.suppress(GenerationError):
-                    gen.close()
-                last_ms = gen.last_issued_ms or 0
+            with contextlib.suppress(GenerationError):
+                generator.close()
+            last_ms = generator.last_issued_ms or 0
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(keeper.stop(last_ms), 1.5)
         for signum in (signal.SIGTERM, signal.SIGINT):

@@ -8,7 +8,8 @@ when the gap is small and raises :class:`ClockMovedBackwardsError` when it is no
 reissues.
 
 With a state file, a restart after the clock stepped back cannot reissue either: see
-:mod:`katsubushi_py.statefile`.
+:mod:`.statefile`. The generator holds the file's lock while it may issue under it, and refuses a file
+written for another worker id unless told the change is deliberate.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from .errors import (
     LeaseNotConfirmedError,
     StateFileError,
 )
-from .statefile import StateFile
+from .statefile import StateFile, StateFileInUse
 
 __all__ = [
     "Clock",
@@ -41,6 +42,7 @@ __all__ = [
     "LayoutExhaustedError",
     "LeaseNotConfirmedError",
     "StateFileError",
+    "StateFileInUse",
     "SystemClock",
 ]
 
@@ -81,7 +83,10 @@ class Generator(_GeneratorCore):
     ``max_backwards_wait`` (seconds) is how far behind the last issued millisecond the clock may be
     for the generator to wait rather than fail. With ``state_file``, a window of ``reserve_window``
     seconds is durably reserved ahead of the IDs issued (one fsync per window, never per ID), and
-    ``max_start_wait`` bounds how long the constructor waits for the clock to pass the stored mark.
+    ``max_start_wait`` bounds how long the constructor waits for the clock to pass the stored mark
+    (before anything is served: a daemon makes its generator before its event loop runs). The file
+    is locked for as long as the generator uses it (:class:`StateFileInUse` if another process holds
+    it), and a file written for another worker id is refused unless ``allow_worker_id_change``.
 
     How it stays fast and thread-safe: the current millisecond's unused IDs are the "bucket"
     (:mod:`.bucket`, compiled where built), valid until the monotonic instant at which that
@@ -103,6 +108,7 @@ class Generator(_GeneratorCore):
         max_start_wait: float | None = None,
         block_on_clock: bool = True,
         free_threaded: bool = FREE_THREADED,
+        allow_worker_id_change: bool = False,
     ) -> None:
         layout.check_worker_id(worker_id)
         if max_backwards_wait < 0:
@@ -136,16 +142,24 @@ class Generator(_GeneratorCore):
         # the bucket, valid until _bucket_end_ns (-1: refill first).
         self._last = -1
         self._drop_bucket()
-        # With a leased worker id: IDs may be issued only while the monotonic clock is before this.
+        # With a leased worker id: IDs may be issued only while the monotonic clock is before this,
+        # and the reason given when it is not.
         self._fence_ns: int | None = None
+        self._fence_reason: str | None = None
         self._state: StateFile | None = None
         self._reserved = layout.max_time_ms  # without a state file, only the layout limits us
         self.high_water_ms: int | None = None
         if state_file is not None:
-            self._state = state_file if isinstance(state_file, StateFile) else StateFile(state_file)
+            state = state_file if isinstance(state_file, StateFile) else StateFile(state_file)
+            state.lock()
+            self._state = state
             if max_start_wait is None:
                 max_start_wait = reserve_window + max_backwards_wait
-            self._resume_from_state(max_start_wait)
+            try:
+                self._resume_from_state(max_start_wait, allow_worker_id_change)
+            except BaseException:
+                state.unlock()
+                raise
         self._limit = min(self._reserved, layout.max_time_ms)
         if self._state is not None:
             # Reserve the first window now: an unwritable state file fails at start, not at the first GET.
@@ -193,11 +207,19 @@ class Generator(_GeneratorCore):
                 sleep(0)  # a short spin that still lets other threads run
 
     # -- state file ------------------------------------------------------------------------------
-    def _resume_from_state(self, max_start_wait: float) -> None:
+    def _resume_from_state(self, max_start_wait: float, allow_worker_id_change: bool) -> None:
         assert self._state is not None
         mark = self._state.load()
         if mark is None:
             return
+        recorded = self._state.recorded_worker_id
+        if recorded != self.worker_id and not allow_worker_id_change:
+            raise StateFileError(
+                f"state file {self._state.path} was written by worker id {recorded}, not {self.worker_id}:"
+                " two daemons may be sharing it, or this daemon's worker id was changed. Give each daemon"
+                " its own state file; if you changed the worker id on purpose, start once with"
+                " --state-file-new-worker-id"
+            )
         self.high_water_ms = mark
         mark_off = mark - self._epoch_ms
         gap = mark_off - self._now()
@@ -247,7 +269,7 @@ class Generator(_GeneratorCore):
         fence = self._fence_ns
         mono = self._mono()
         if fence is not None and mono >= fence:
-            raise LeaseNotConfirmedError()
+            raise LeaseNotConfirmedError(*self._fence_why())
         now = self._offset_at(mono)
         last = self._last
         if now == last and self._bucket_left() > 0:
@@ -273,7 +295,7 @@ class Generator(_GeneratorCore):
             mono = -1  # no wait: the reading above stands
         if mono >= 0:
             if fence is not None and mono >= fence:
-                raise LeaseNotConfirmedError()
+                raise LeaseNotConfirmedError(*self._fence_why())
             now = self._offset_at(mono)
         if now > self._limit:
             self._cross_limit(now)
@@ -327,7 +349,7 @@ class Generator(_GeneratorCore):
                 return GeneratorClosedError("generator is closed")
             mono = self._mono()
             if self._fence_ns is not None and mono >= self._fence_ns:
-                return LeaseNotConfirmedError()
+                return LeaseNotConfirmedError(*self._fence_why())
             now = self._offset_at(mono)
             if now > self.layout.max_time_ms:
                 return LayoutExhaustedError(f"layout {self.layout.describe()} ran out of time bits")
@@ -344,23 +366,80 @@ class Generator(_GeneratorCore):
             return None
 
     # -- leased worker ids -----------------------------------------------------------------------
-    def set_fence(self, deadline_ns: int | None) -> None:
-        """Allow IDs only while ``monotonic_ns() < deadline_ns`` (None: no limit). The current bucket is
-        cut at the deadline, so the check costs the fast path nothing."""
+    def set_fence(self, deadline_ns: int | None, reason: str | None = None) -> None:
+        """Allow IDs only while ``monotonic_ns() < deadline_ns`` (None: no limit); past it, requests
+        fail with :class:`LeaseNotConfirmedError` and ``reason`` (default: "worker id lease not
+        confirmed"). The current bucket is cut at the deadline, so the check costs the fast path nothing."""
         with self._lock:
             self._fence_ns = deadline_ns
+            self._fence_reason = reason
             if deadline_ns is not None:
                 self._bucket_end_ns = min(self._bucket_end_ns, deadline_ns)
 
-    def switch_worker(self, worker_id: int, after_unix_ms: int = 0) -> None:
+    def _fence_why(self) -> tuple[str, ...]:
+        return () if self._fence_reason is None else (self._fence_reason,)
+
+    def switch_worker(self, worker_id: int, after_unix_ms: int = 0, state_file: StateFile | None = None) -> None:
         """Issue under another worker id from now on, strictly after ``after_unix_ms`` (the previous
-        holder's last millisecond) and after everything this generator issued."""
+        holder's last millisecond) and after everything this generator issued.
+
+        With ``state_file`` (that worker id's own file, locked by the caller or here), also strictly
+        after the mark stored in it: the last millisecond any daemon of this host may have issued
+        under that id. The file then takes the reservations, and the previous one is retired. Never
+        waits: if the clock is behind the new mark, requests wait or fail as for any clock behind."""
         self.layout.check_worker_id(worker_id)
+        mark: int | None = None
+        if state_file is not None:
+            state_file.lock()
+            mark = state_file.load()
+            recorded = state_file.recorded_worker_id
+            if mark is not None and recorded != worker_id:
+                state_file.unlock()
+                raise StateFileError(
+                    f"state file {state_file.path} was written by worker id {recorded}, not {worker_id};"
+                    " refusing to guess which IDs were issued under it"
+                )
         with self._lock:
+            if state_file is not None:
+                self._retire_state()
+                self._state = state_file
+                self.high_water_ms = mark
+                # The first bucket past the mark reserves a window in the new file before issuing.
+                self._limit = -1 if mark is None else min(mark - self._epoch_ms, self.layout.max_time_ms)
             self.worker_id = worker_id
             self._worker_part = worker_id << self.layout.worker_shift
-            self._last = max(self._last, after_unix_ms - self._epoch_ms)
+            self._last = max(self._last, after_unix_ms - self._epoch_ms, -1 if mark is None else mark - self._epoch_ms)
             self._drop_bucket()
+
+    def retire_worker(self, reason: str | None = None) -> None:
+        """Stop issuing under the current worker id (fenced until the next :meth:`set_fence`): store the
+        last millisecond issued in its state file, and let the file go for another daemon."""
+        with self._lock:
+            self._fence_ns = 0
+            self._fence_reason = reason
+            self._drop_bucket()
+            self._retire_state()
+
+    def _retire_state(self) -> None:
+        """With the lock held: leave the current state file with the exact last millisecond issued (a
+        failed write leaves the reserved mark, which is later still) and unlock it."""
+        state, self._state = self._state, None
+        self._limit = self.layout.max_time_ms
+        if state is None:
+            return
+        try:
+            if self._last >= 0:
+                state.store(self._last + self._epoch_ms, self.worker_id)
+        except StateFileError:
+            pass  # the mark reserved ahead covers every ID issued
+        finally:
+            state.unlock()
+        self.high_water_ms = None
+
+    @property
+    def state_path(self) -> str | None:
+        """The state file in use (None without one)."""
+        return None if self._state is None else str(self._state.path)
 
     # -- lifecycle -------------------------------------------------------------------------------
     @property
@@ -370,12 +449,18 @@ class Generator(_GeneratorCore):
 
     def close(self) -> None:
         """Stop issuing and store the last issued millisecond as the mark, so that a clean restart
-        does not have to wait out the reserved window."""
+        does not have to wait out the reserved window; then release the state file's lock."""
         with self._lock:
             if self._closed:
                 return
             self._closed = True
             self._drop_bucket()
-            if self._state is not None and self._last >= 0:
-                self._state.store(self._last + self._epoch_ms, self.worker_id)
-                self.high_water_ms = self._last + self._epoch_ms
+            state = self._state
+            if state is None:
+                return
+            try:
+                if self._last >= 0:
+                    state.store(self._last + self._epoch_ms, self.worker_id)
+                    self.high_water_ms = self._last + self._epoch_ms
+            finally:
+                state.unlock()

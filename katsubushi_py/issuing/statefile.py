@@ -8,10 +8,24 @@ has a time at or below the stored mark, and a restarted generator starts strictl
 The file is one JSON line with a CRC so that a damaged file is an error, never a silent reset.
 Writes go to a temporary file that is fsynced, renamed over the old one, and the directory is
 fsynced, so a crash leaves either the old mark or the new one.
+
+**Ownership.** A mark protects only if one daemon at a time issues under it: two daemons given the
+same file (a copy-pasted unit file, two containers on one volume) would each trust a mark the other
+keeps moving. So a daemon holds an exclusive ``flock`` on ``<file>.lock`` for as long as it issues
+under the file (the state file itself is replaced on every write, so it cannot carry the lock), and
+the file records the worker id it was written for. The kernel drops the lock when the process dies,
+so a crash never leaves a stale lock behind.
+
+**State directory.** :class:`StateDirectory` keeps one such file per worker id,
+``DIR/worker-<id>.state``: a daemon with a static worker id uses its own, and a daemon leasing worker
+ids from Redis uses the file of each id it holds, so it never issues under an id at or below the
+last millisecond it (or another daemon of this host) may have issued under it, whatever Redis says.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import os
 import zlib
@@ -22,21 +36,76 @@ from .errors import StateFileError
 FORMAT = "katsubushi-py-state/1"
 
 
+class StateFileInUse(StateFileError):
+    """Another process holds the state file's lock: it issues IDs under this file's worker id."""
+
+    def __init__(self, message: str, pid: int | None) -> None:
+        super().__init__(message)
+        self.pid = pid
+
+
 def _crc(high_water_ms: int, worker_id: int) -> int:
     return zlib.crc32(f"{FORMAT}:{high_water_ms}:{worker_id}".encode())
 
 
 class StateFile:
-    """Reads and atomically replaces the high-water mark stored at ``path``."""
+    """Reads and atomically replaces the high-water mark stored at ``path``; :meth:`lock` makes this
+    process its only user."""
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
         self.path = Path(path)
+        self.lock_path = self.path.with_name(self.path.name + ".lock")
+        #: The worker id the file was last written for (set by :meth:`load`; None: no file yet).
+        self.recorded_worker_id: int | None = None
+        self._lock_fd: int | None = None
 
+    # -- ownership ---------------------------------------------------------------------------------
+    @property
+    def locked(self) -> bool:
+        return self._lock_fd is not None
+
+    def lock(self) -> None:
+        """Take the file for this process, or raise :class:`StateFileInUse` naming the holder's pid.
+        Idempotent. The lock lives as long as this object (or the process) does."""
+        if self._lock_fd is not None:
+            return
+        try:
+            fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        except OSError as exc:
+            raise StateFileError(
+                f"cannot write state file {self.path} (its lock file {self.lock_path.name}): {exc.strerror or exc}"
+            ) from None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            pid = _read_pid(fd)
+            os.close(fd)
+            holder = f"pid {pid}" if pid is not None else "another process"
+            raise StateFileInUse(f"state file {self.path} is in use by {holder}", pid) from None
+        except OSError as exc:
+            os.close(fd)
+            raise StateFileError(f"cannot lock state file {self.path}: {exc.strerror or exc}") from None
+        with contextlib.suppress(OSError):  # the pid is for messages only
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        self._lock_fd = fd
+
+    def unlock(self) -> None:
+        fd, self._lock_fd = self._lock_fd, None
+        if fd is not None:
+            os.close(fd)  # closing the only descriptor releases the flock
+
+    def __del__(self) -> None:  # a dropped generator (or a crash) must not keep the file taken
+        with contextlib.suppress(Exception):
+            self.unlock()
+
+    # -- the mark ----------------------------------------------------------------------------------
     def load(self) -> int | None:
-        """The stored mark in unix ms, or None when no file exists yet."""
+        """The stored mark in unix ms, or None when no file exists yet. Sets :attr:`recorded_worker_id`."""
         try:
             raw = self.path.read_bytes()
         except FileNotFoundError:
+            self.recorded_worker_id = None
             return None
         except OSError as exc:
             raise StateFileError(f"cannot read state file {self.path}: {exc.strerror or exc}") from None
@@ -57,6 +126,7 @@ class StateFile:
                 f"state file {self.path} is damaged (not a {FORMAT} record); refusing to guess the last"
                 " issued time. Move it away only if you know no ID was issued after the clock's current time."
             )
+        self.recorded_worker_id = worker_id
         return mark
 
     def store(self, high_water_ms: int, worker_id: int) -> None:
@@ -83,3 +153,38 @@ class StateFile:
                 os.close(dir_fd)
         except OSError as exc:
             raise StateFileError(f"cannot write state file {self.path}: {exc.strerror or exc}") from None
+        self.recorded_worker_id = worker_id
+
+
+def _read_pid(fd: int) -> int | None:
+    try:
+        text = os.pread(fd, 32, 0).decode().strip()
+        return int(text) if text else None
+    except (OSError, ValueError):
+        return None
+
+
+class StateDirectory:
+    """A directory of state files, one per worker id: ``worker-<id>.state`` (and its ``.lock``)."""
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self.path = Path(path)
+
+    def create(self) -> None:
+        """Make the directory (mode 0700) if it is missing; an existing one is used as it is."""
+        try:
+            self.path.mkdir(mode=0o700, parents=True, exist_ok=True)
+        except OSError as exc:
+            raise StateFileError(f"cannot create state directory {self.path}: {exc.strerror or exc}") from None
+        if not self.path.is_dir():
+            raise StateFileError(f"state directory {self.path} is not a directory")
+
+    def file_for(self, worker_id: int) -> StateFile:
+        return StateFile(self.path / f"worker-{worker_id}.state")
+
+    def claim(self, worker_id: int) -> StateFile:
+        """The locked state file of ``worker_id``; :class:`StateFileInUse` when another daemon of this
+        host issues under that worker id from this directory."""
+        state = self.file_for(worker_id)
+        state.lock()
+        return state

@@ -8,52 +8,83 @@ from typing import Any
 from .target import RedisTarget, connect
 
 
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
 async def pool_snapshot(target: RedisTarget) -> dict[str, Any]:
-    """Everything `lease stats` and `lease list` print, read in one go with Redis TIME."""
+    """Everything `lease stats` and `lease list` print, read in one go (a MULTI) with Redis TIME."""
     client = await connect(target, timeout=5)
     keys = target.keys()
     try:
-        seconds, micros = await client.time()
-        now_ms = seconds * 1000 + micros // 1000
-        members = await client.zrange(keys.ids, 0, -1, withscores=True)
-        owners = await client.hgetall(keys.owners)
-        last = await client.hgetall(keys.last)
-        counters = await client.hgetall(keys.stats)
+        async with client.pipeline(transaction=True) as pipe:
+            pipe.time()
+            pipe.zrange(keys.ids, 0, -1, withscores=True)
+            pipe.hgetall(keys.owners)
+            pipe.hgetall(keys.last)
+            pipe.hgetall(keys.stats)
+            pipe.hgetall(keys.pool)
+            (seconds, micros), members, owners, last, counters, pool = await pipe.execute()
     finally:
         await client.aclose()
-
-    def text(value: Any) -> str:
-        return value.decode() if isinstance(value, bytes) else str(value)
-
-    owners_t = {text(k): text(v) for k, v in owners.items()}
-    last_t = {text(k): int(v) for k, v in last.items()}
+    now_ms = seconds * 1000 + micros // 1000
+    owners_t = {_text(k): _text(v) for k, v in owners.items()}
+    last_t = {_text(k): int(v) for k, v in last.items()}
+    pool_t = {_text(k): _text(v) for k, v in pool.items()}
     ids = []
     for member, score in members:
-        wid = text(member)
+        wid = _text(member)
         expiry = int(score)
         in_use = expiry >= now_ms
+        owner = owners_t.get(wid, "") if in_use else ""
         ids.append(
             {
                 "worker_id": int(wid),
-                "owner": owners_t.get(wid, "") if in_use else "",
+                "owner": owner,
                 "in_use": in_use,
+                # Leased to nobody until the data-loss quarantine ends (see leasing.scripts).
+                "quarantined": in_use and not owner,
                 "time_left_ms": max(0, expiry - now_ms) if in_use else 0,
                 "last_ms": last_t.get(wid, 0),
             }
         )
     ids.sort(key=lambda row: row["worker_id"])
-    return {"now_ms": now_ms, "ids": ids, "counters": {text(k): int(v) for k, v in counters.items()}}
+    return {
+        "now_ms": now_ms,
+        "ids": ids,
+        "counters": {_text(k): int(v) for k, v in counters.items()},
+        "pool": pool_t,
+    }
 
 
 def pool_stats(snapshot: dict[str, Any]) -> dict[str, Any]:
     ids = snapshot["ids"]
-    left = sorted(row["time_left_ms"] for row in ids if row["in_use"])
+    left = sorted(row["time_left_ms"] for row in ids if row["in_use"] and not row["quarantined"])
     counters = snapshot["counters"]
+    pool = snapshot["pool"]
+    now_ms = snapshot["now_ms"]
+    barrier = int(pool.get("recovering_until_ms", 0))
+    free = sum(1 for row in ids if not row["in_use"])
+
+    def number(name: str) -> int | None:
+        return int(pool[name]) if name in pool else None
+
     return {
-        "pool_min": counters.get("min"),
-        "pool_max": counters.get("max"),
+        "pool_exists": bool(pool),
+        "pool_epoch": pool.get("epoch"),
+        "pool_origin": pool.get("origin"),  # init, implicit (made by a daemon) or lost (re-made after a loss)
+        "pool_created_ms": number("created_ms"),
+        "pool_min": number("min"),
+        "pool_max": number("max"),
+        "pool_size": len(ids),
         "ids_in_use": len(left),
-        "ids_free": len(ids) - len(left),
+        "ids_free": free,
+        "free_percent": round(100 * free / len(ids), 1) if ids else 0.0,
+        "ids_quarantined": sum(1 for row in ids if row["quarantined"]),
+        "recovering_until_ms": barrier,
+        "recovering_left_ms": max(0, barrier - now_ms),
+        "data_loss_events": counters.get("data_loss_events", 0),
+        "quarantined_ids_total": counters.get("quarantined_ids", 0),
         "lease_ttl_left_ms_min": left[0] if left else None,
         "lease_ttl_left_ms_median": int(statistics.median(left)) if left else None,
         "lease_ttl_left_ms_max": left[-1] if left else None,

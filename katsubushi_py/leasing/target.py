@@ -45,6 +45,7 @@ class RedisTarget:
             last=f"{tag}:last_ms",
             released=f"{tag}:released",
             stats=f"{tag}:stats",
+            pool=f"{tag}:pool",
         )
 
 
@@ -55,6 +56,12 @@ class LeaseKeys:
     last: str
     released: str
     stats: str
+    pool: str  # the pool's identity (epoch), range and recovery barrier
+
+    @property
+    def all(self) -> list[str]:
+        """Every key, in the order every script takes them."""
+        return [self.ids, self.owners, self.last, self.released, self.stats, self.pool]
 
 
 def parse_redis_url(url: str) -> RedisTarget:
@@ -89,14 +96,21 @@ async def connect(target: RedisTarget, timeout: float) -> Any:
     """A plain asyncio Redis client to the node that holds the namespace's keys.
 
     For a cluster, ask the cluster which master owns the namespace's slot and talk to that node
-    directly: a script and the ``WAIT`` after it must go over one connection to one node.
+    directly: a script and the ``WAIT`` after it go in one pipeline, over one connection, to one node.
+    The client does not retry by itself (redis-py's default retries a failed command up to ten times
+    with backoff): the lease keeper decides when to retry, because a renew must fail fast.
     """
     import redis.asyncio as aioredis
+    from redis.asyncio.retry import Retry
+    from redis.backoff import NoBackoff
 
+    options: dict[str, Any] = {
+        "socket_timeout": timeout,
+        "socket_connect_timeout": timeout,
+        "retry": Retry(NoBackoff(), 0),
+    }
     if not target.cluster:
-        return aioredis.Redis.from_url(
-            target.url, socket_timeout=timeout, socket_connect_timeout=timeout, single_connection_client=True
-        )
+        return aioredis.Redis.from_url(target.url, **options)
     from redis.asyncio.cluster import RedisCluster
 
     cluster = RedisCluster.from_url(target.url, socket_timeout=timeout, socket_connect_timeout=timeout)
@@ -110,6 +124,9 @@ async def connect(target: RedisTarget, timeout: float) -> Any:
     netloc = parts.netloc.rsplit("@", 1)
     auth = netloc[0] + "@" if len(netloc) == 2 else ""
     direct = urlunsplit((parts.scheme, f"{auth}{host}:{port}", "", parts.query, ""))
-    return aioredis.Redis.from_url(
-        direct, socket_timeout=timeout, socket_connect_timeout=timeout, single_connection_client=True
-    )
+    return aioredis.Redis.from_url(direct, **options)
+
+
+def released_channel(target: RedisTarget) -> str:
+    """The pub/sub channel a clean release announces itself on, so that waiting daemons wake at once."""
+    return "{" + target.namespace + "}:released"
