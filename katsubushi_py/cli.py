@@ -22,6 +22,7 @@ import os
 import sys
 import time
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
 
 from . import __version__
 from .config import (
@@ -42,6 +43,9 @@ from .ids.tools import ToolError, decode_many, id_at, partitions
 from .issuing.errors import GenerationError
 from .issuing.generator import Generator
 from .issuing.statefile import StateDirectory, StateFile
+
+if TYPE_CHECKING:
+    from .daemon.server import Listeners
 
 PROG = "katsubushi-py"
 # The widest pool `lease init` makes: 16 worker-id bits (the daemons' --worker-bits decides what they use).
@@ -219,7 +223,9 @@ def _make_generator(config: ServerConfig, state_dir: StateDirectory | None) -> G
     )
 
 
-def run_server(config: ServerConfig) -> int:
+def run_server(config: ServerConfig, listeners: Listeners | None = None, ready: Any = None) -> int:
+    """Run one daemon process until a signal; its exit status. ``listeners``: sockets made by the
+    ``--workers`` supervisor; ``ready``: called with the daemon once it listens."""
     from .daemon.server import StartupError, serve
 
     setup_logging(config.log_level, config.log_format)
@@ -240,7 +246,7 @@ def run_server(config: ServerConfig) -> int:
     claim = state_dir.claim if state_dir is not None and config.lease is not None else None
     try:
         with asyncio.Runner(loop_factory=factory) as runner:
-            runner.run(serve(config, generator, claim_state=claim))
+            runner.run(serve(config, generator, ready, claim_state=claim, listeners=listeners))
     except StartupError as exc:
         return _fail(str(exc), 1)
     except KeyboardInterrupt:  # a second Ctrl-C during the graceful stop
@@ -270,13 +276,29 @@ def _summary(func: Callable[[Sequence[str]], int]) -> str:
     return (func.__doc__ or "").strip().split("\n", 1)[0]
 
 
+def run_workers(config: ServerConfig) -> int:
+    """``--workers N``: a supervisor and N daemon processes (see katsubushi_py/daemon/workers.py)."""
+    from .daemon.server import StartupError
+    from .daemon.workers import Board, Supervisor, attach
+
+    setup_logging(config.log_level, config.log_format)
+
+    def run_child(child: ServerConfig, listeners: Listeners, board: Board, index: int) -> int:
+        return run_server(child, listeners, lambda daemon: attach(daemon, board, index))
+
+    try:
+        return Supervisor(config, run_child).run()
+    except StartupError as exc:
+        return _fail(str(exc), 1)
+
+
 def cmd_serve(argv: Sequence[str]) -> int:
     """Serve IDs (the default when no command is given)."""
     config, _ = parse_server_config(argv, os.environ, _top_parser())
     if config is None:
         print(f"{PROG} version: {__version__}")
         return 0
-    return run_server(config)
+    return run_workers(config) if config.workers > 1 else run_server(config)
 
 
 def cmd_health(argv: Sequence[str]) -> int:

@@ -13,6 +13,7 @@ import argparse
 import importlib.util
 import os
 import re
+import socket
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -55,7 +56,10 @@ GRPC_INSTALL_HINT = "pip install 'katsubushi-py[grpc]'"
 APP_DIR = "katsubushi-py"
 # Ours, read the same way. (Not HOSTNAME: shells and container runtimes set it, and the kernel's
 # host name is the one that counts; --hostname overrides it explicitly.)
-OUR_ENV_FLAGS = ("worker_id_from", "worker_id_offset")
+OUR_ENV_FLAGS = ("worker_id_from", "worker_id_offset", "workers")
+
+#: More worker processes than this would use more worker ids than cores could ever need.
+MAX_WORKERS = 64
 
 
 class ConfigError(ValueError):
@@ -121,6 +125,7 @@ class ServerConfig:
     lease: LeaseConfig | None = None
     http_port: int | None = None  # None: no HTTP listener (0: any free port)
     grpc_port: int | None = None  # None: no gRPC server (0: any free port)
+    workers: int = 1  # processes sharing the listeners, one worker id each (see daemon/workers.py)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -282,6 +287,13 @@ def build_parser(
         default=False,
         help="exit instead of waiting when every worker id of the range is leased",
     )
+    _flag(
+        parser,
+        "workers",
+        metavar="N",
+        help="N processes behind the same listeners, each with its own worker id (consecutive from"
+        " --worker-id, or leased); default 1 (env WORKERS)",
+    )
     parser.add_argument(
         "--gets-cas",
         action="store_true",
@@ -343,8 +355,12 @@ def _check_parent_directory(path: str, option: str) -> None:
         )
 
 
-def _worker_id(given: dict[str, object], layout: Layout, leasing: bool, from_flag: bool) -> tuple[int | None, str]:
-    """The worker id (None: leased from Redis) and where it came from."""
+def _worker_id(
+    given: dict[str, object], layout: Layout, leasing: bool, from_flag: bool, workers: int = 1
+) -> tuple[int | None, str]:
+    """The worker id (None: leased from Redis) and where it came from. With ``workers`` processes the
+    first of ``workers`` consecutive ids, all checked to fit the layout; derived from a host name
+    ordinal k, the ids are k x workers + offset onwards, so that hosts k and k + 1 never overlap."""
     method = str(given.get("worker_id_from") or "").lower()
     if not method:
         for name in ("worker_id_offset", "hostname"):
@@ -369,6 +385,7 @@ def _worker_id(given: dict[str, object], layout: Layout, leasing: bool, from_fla
             layout.check_worker_id(worker_id)
         except LayoutError as exc:
             raise ConfigError(f"invalid worker id: {exc}") from None
+        _check_worker_range(worker_id, workers, layout, "--worker-id" if from_flag else "WORKER_ID")
         return worker_id, "--worker-id" if from_flag else "WORKER_ID"
     if method:
         if leasing:
@@ -376,7 +393,19 @@ def _worker_id(given: dict[str, object], layout: Layout, leasing: bool, from_fla
         if method not in METHODS:
             raise ConfigError(f"invalid worker id method {method!r}: use {' or '.join(METHODS)}")
         offset = _int(given.get("worker_id_offset", 0), "worker id offset", -(1 << 32))
+        if workers > 1 and method != "ordinal":
+            raise ConfigError(
+                f"--worker-id-from {method} gives one worker id per host: with --workers use --worker-id-from"
+                " ordinal, --worker-id or --redis"
+            )
         try:
+            if workers > 1:  # the ordinal itself, then spread: host k takes ids k x workers + offset onwards
+                host = str(given.get("hostname") or "") or socket.gethostname()
+                ordinal = derive(method, layout, hostname=host, offset=0).worker_id
+                first = ordinal * workers + offset
+                source = f"hostname {host!r} (ordinal {ordinal} x {workers} worker processes + offset {offset})"
+                _check_worker_range(first, workers, layout, f"--worker-id-from ordinal ({source})")
+                return first, source
             derived = derive(method, layout, hostname=str(given.get("hostname") or ""), offset=offset)
         except WorkerIdError as exc:
             raise ConfigError(f"--worker-id-from {method}: {exc}") from None
@@ -401,7 +430,8 @@ def parse_server_config(
 
     layout = layout_from_args(args)
     lease = _lease_config(given, layout)
-    worker_id, worker_id_source = _worker_id(given, layout, lease is not None, "worker_id" in vars(args))
+    workers = _int(given.get("workers", 1), "workers", 1, MAX_WORKERS)
+    worker_id, worker_id_source = _worker_id(given, layout, lease is not None, "worker_id" in vars(args), workers)
     host, port, sock = listen_settings(given)
     if sock:
         _check_parent_directory(sock, "--sock")
@@ -432,6 +462,8 @@ def parse_server_config(
     if grpc_port is not None and not all(importlib.util.find_spec(m) for m in ("grpc", "grpc_reflection")):
         raise ConfigError(f"--grpc-port needs the grpc extra: {GRPC_INSTALL_HINT}")
     state_file, state_dir, state_source = _state_config(given, lease is not None, environ)
+    if workers > 1 and state_file:
+        raise ConfigError("--state-file is one worker id's file: with --workers use --state-dir (a file per worker id)")
 
     config = ServerConfig(
         worker_id=worker_id,
@@ -455,8 +487,19 @@ def parse_server_config(
         lease=lease,
         http_port=http_port,
         grpc_port=grpc_port,
+        workers=workers,
     )
     return config, args
+
+
+def _check_worker_range(first: int, workers: int, layout: Layout, source: str) -> None:
+    """``workers`` consecutive worker ids from ``first`` must all fit the layout."""
+    last = first + workers - 1
+    if first < 0 or last > layout.max_worker_id:
+        raise ConfigError(
+            f"{source}: {workers} worker processes need worker ids {first}..{last}, but the layout allows"
+            f" 0..{layout.max_worker_id}"
+        )
 
 
 def default_state_dir(environ: Mapping[str, str], euid: int) -> tuple[str, str]:

@@ -17,6 +17,7 @@ import signal
 import socket
 import stat
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 from .. import __version__
@@ -84,11 +85,27 @@ def prepare_unix_socket(path: str) -> None:
     raise StartupError(f"another daemon is listening on {path}")
 
 
+@dataclass
+class Listeners:
+    """Listening sockets made elsewhere (by the ``--workers`` supervisor), served instead of binding
+    ``--port``, ``--sock`` and ``--http-port``."""
+
+    memcached: list[socket.socket] = field(default_factory=list)
+    http: list[socket.socket] = field(default_factory=list)
+
+
 class Daemon:
     """Listeners plus the shared issuer and counters."""
 
-    def __init__(self, config: ServerConfig, generator: Generator, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(
+        self,
+        config: ServerConfig,
+        generator: Generator,
+        loop: asyncio.AbstractEventLoop,
+        listeners: Listeners | None = None,
+    ) -> None:
         self.config = config
+        self.listeners = listeners
         self.generator = generator
         self.issuer = Issuer(generator, __version__)
         self.loop = loop
@@ -130,9 +147,14 @@ class Daemon:
         memcached = ("text", "binary", "meta")  # the memcached listeners serve all three
         protocols = (*memcached, "http", "grpc") if self.config.grpc_port is not None else (*memcached, "http")
         api = HttpApi(self.issuer, metrics_renderer(make_registry(self.stats, self.issuer, protocols)))
-        await self._listen_tcp(
-            lambda: ConnectionHandler(self, lambda: HttpConnection(api), TOO_MANY_CONNECTIONS), port, "http://"
-        )
+
+        def factory() -> ConnectionHandler:
+            return ConnectionHandler(self, lambda: HttpConnection(api), TOO_MANY_CONNECTIONS)
+
+        if self.listeners is not None and self.listeners.http:
+            await self._serve_sockets(factory, self.listeners.http, "http://")
+        else:
+            await self._listen_tcp(factory, port, "http://")
 
     async def _start_grpc(self, port: int) -> None:
         from ..frontends.grpc_service import GrpcListenError, start_grpc_server
@@ -156,8 +178,13 @@ class Daemon:
     async def start(self) -> None:
         config = self.config
         backlog = min(4096, max(128, config.max_connections))
-        # Socket activation replaces the memcached listeners (--port, --sock); HTTP and gRPC bind as usual.
-        activated = await self._start_inherited(backlog)
+        # Sockets made for us (--workers) or passed by systemd replace the memcached listeners (--port,
+        # --sock); HTTP and gRPC bind as usual unless the supervisor made their sockets too.
+        if self.listeners is not None:
+            await self._serve_sockets(lambda: ConnectionHandler(self), self.listeners.memcached)
+            activated = True
+        else:
+            activated = await self._start_inherited()
         if config.port is not None and not activated:
             await self._listen_tcp(lambda: ConnectionHandler(self), config.port)
         if config.http_port is not None:
@@ -179,24 +206,31 @@ class Daemon:
                 os.chmod(config.sock, config.sock_mode)
             self.addresses.append(config.sock)
 
-    async def _start_inherited(self, backlog: int) -> bool:
+    async def _start_inherited(self) -> bool:
         """Serve on the sockets systemd passed (socket activation) instead of binding; False if none."""
         try:
             inherited = inherited_sockets()
         except ActivationError as exc:
             raise StartupError(str(exc)) from None
-        for sock in inherited:
-            if sock.family == socket.AF_UNIX:
-                server = await self.loop.create_unix_server(lambda: ConnectionHandler(self), sock=sock, backlog=backlog)
-            else:
-                server = await self.loop.create_server(lambda: ConnectionHandler(self), sock=sock, backlog=backlog)
-            self.servers.append(server)
-            self.addresses.append(describe(sock))
+        await self._serve_sockets(lambda: ConnectionHandler(self), inherited)
         if inherited:
             log.info(
                 "serving memcached on %d socket(s) passed by systemd; --port and --sock are not used", len(inherited)
             )
         return bool(inherited)
+
+    async def _serve_sockets(
+        self, factory: Callable[[], asyncio.Protocol], sockets: list[socket.socket], scheme: str = ""
+    ) -> None:
+        """Serve on listening sockets made by someone else (the supervisor, or systemd)."""
+        backlog = min(4096, max(128, self.config.max_connections))
+        for sock in sockets:
+            if sock.family == socket.AF_UNIX:
+                server = await self.loop.create_unix_server(factory, sock=sock, backlog=backlog)
+            else:
+                server = await self.loop.create_server(factory, sock=sock, backlog=backlog)
+            self.servers.append(server)
+            self.addresses.append(scheme + describe(sock))
 
     async def close_listeners(self) -> None:
         for server in self.servers:
@@ -245,6 +279,7 @@ async def serve(
     ready: Any = None,
     *,
     claim_state: Callable[[int], StateFile] | None = None,
+    listeners: Listeners | None = None,
 ) -> None:
     """Run until SIGTERM or SIGINT, then stop gracefully.
 
@@ -262,7 +297,7 @@ async def serve(
     keeping: asyncio.Task[None] | None = None
     daemon: Daemon | None = None
     try:
-        daemon = Daemon(config, generator, loop)
+        daemon = Daemon(config, generator, loop, listeners)
         issuer = daemon.issuer
         if config.lease is not None:
             lease = config.lease

@@ -34,6 +34,7 @@ class Stats:
         "issuer",
         "max_connections",
         "pid",
+        "processes",
         "rejected_connections",
         "started",
         "total_connections",
@@ -50,8 +51,10 @@ class Stats:
         self.curr_connections = 0
         self.total_connections = 0
         self.rejected_connections = 0
-        # More fields from elsewhere (the Redis lease), appended after ours.
+        # More fields from elsewhere, appended after ours: the Redis lease, then (--workers) the
+        # summary over every worker process.
         self.extra: Callable[[], list[tuple[str, object]]] | None = None
+        self.processes: Callable[[], list[tuple[str, object]]] | None = None
 
     def fields(self) -> list[tuple[str, object]]:
         generator = self.issuer.generator
@@ -83,6 +86,7 @@ class Stats:
             ("idle_timeout", int(self.idle_timeout)),
             ("implementation", IMPLEMENTATION),  # "compiled" or "python": which hot path runs
             *(self.extra() if self.extra is not None else ()),
+            *(self.processes() if self.processes is not None else ()),
         ]
 
 

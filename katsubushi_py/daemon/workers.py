@@ -1,0 +1,357 @@
+"""``--workers N``: N daemon processes behind the same listeners, one worker id each, one supervisor.
+
+Why processes: one event loop uses one core, and the GIL keeps threads from doing better. memcached
+answers a multi-core host with threads (``-t N``); an ID daemon can answer it with processes, because
+every process only needs a worker id of its own: IDs of different worker ids never collide, so the
+processes share nothing but the listening sockets. The cost is ID space: N worker ids per host.
+
+How the sockets are shared:
+
+- **TCP** (memcached and HTTP): the supervisor opens one socket per process with ``SO_REUSEPORT``, all
+  bound to the same address, so the kernel spreads new connections over the processes. It keeps them
+  open: a process that dies is restarted on the same socket, and connections that arrived meanwhile
+  wait in its backlog rather than being refused.
+- **The unix socket** (and sockets passed by systemd): one listening socket, inherited by every
+  process, which all accept from it. The supervisor owns the socket file and removes it at the end.
+- **gRPC** is served by the first process only (grpcio binds its own port).
+
+Worker ids: consecutive from ``--worker-id`` (or from a host name ordinal times N, see
+:mod:`katsubushi_py.config`), or each process leases its own from Redis. State files are per worker
+id in the state directory, so each process has its own, locked while it runs.
+
+The supervisor restarts a process that dies (at once the first time, then with a growing pause if it
+keeps dying, up to 30 s), stops every process on SIGTERM or SIGINT (each drains as a single daemon
+does) and exits 0. If a process cannot start at all in the first seconds (a state file in use, say),
+the supervisor stops the others and exits 1: that is a configuration problem, not a crash.
+
+STATS: each process answers with its own fields, plus ``worker_processes``, ``worker_process`` (its
+index) and ``all_processes_*`` sums of the main counters over every process, which each process
+publishes at least once a second on a small shared memory board (:class:`Board`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import logging
+import mmap
+import os
+import signal
+import socket
+import struct
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
+
+from ..config import ServerConfig
+from .activation import ActivationError, inherited_sockets
+from .server import Listeners, StartupError, prepare_unix_socket
+
+if TYPE_CHECKING:
+    from .server import Daemon
+
+log = logging.getLogger("katsubushi_py")
+
+# A process that dies this soon after starting is restarted after a growing pause.
+_QUICK_DEATH_S = 10.0
+_MAX_PAUSE_S = 30.0
+# A process that cannot start within this long of the supervisor's start is a configuration problem.
+_STARTUP_GRACE_S = 3.0
+_STOP_TIMEOUT_S = 5.0
+
+
+class Board:
+    """Counters every process publishes for the others' STATS: a shared anonymous mapping made
+    before the processes fork, one 64-byte slot each, written only by its owner."""
+
+    FIELDS = ("pid", "worker_id", "cmd_get", "get_hits", "get_misses", "curr_connections", "total_connections")
+    _SLOT = struct.Struct("<8q")  # the fields above, then when the slot was written (monotonic ms)
+
+    def __init__(self, processes: int) -> None:
+        self.processes = processes
+        self._map = mmap.mmap(-1, self._SLOT.size * processes)
+
+    def publish(self, index: int, values: tuple[int, ...]) -> None:
+        self._SLOT.pack_into(self._map, index * self._SLOT.size, *values, time.monotonic_ns() // 1_000_000)
+
+    def read(self) -> list[dict[str, int]]:
+        rows = []
+        for index in range(self.processes):
+            values = self._SLOT.unpack_from(self._map, index * self._SLOT.size)
+            rows.append(dict(zip((*self.FIELDS, "written_ms"), values, strict=True)))
+        return rows
+
+
+def attach(daemon: Daemon, board: Board, index: int) -> None:
+    """In worker process ``index``: publish this process's counters on the board (every second, and
+    whenever STATS is asked), and add the summary of every process to its STATS."""
+    stats = daemon.stats
+
+    def publish() -> None:
+        cmd_get, get_hits, get_misses = daemon.issuer.totals()
+        board.publish(
+            index,
+            (
+                os.getpid(),
+                daemon.generator.worker_id,
+                cmd_get,
+                get_hits,
+                get_misses,
+                stats.curr_connections,
+                stats.total_connections,
+            ),
+        )
+
+    def every_second() -> None:
+        publish()
+        daemon.loop.call_later(1.0, every_second)
+
+    def fields() -> list[tuple[str, object]]:
+        publish()
+        rows = board.read()
+        summary: list[tuple[str, object]] = [("worker_processes", board.processes), ("worker_process", index)]
+        for name in ("cmd_get", "get_hits", "get_misses", "curr_connections", "total_connections"):
+            summary.append((f"all_processes_{name}", sum(row[name] for row in rows)))
+        return summary
+
+    stats.processes = fields
+    every_second()
+
+
+@dataclass
+class ProcessSlot:
+    index: int
+    config: ServerConfig
+    listeners: Listeners
+    pid: int = 0
+    started: float = 0.0
+    pause: float = 0.0
+    restart_at: float | None = None
+
+
+def reuseport_sockets(host: str, port: int, count: int, backlog: int) -> list[socket.socket]:
+    """``count`` listening TCP sockets on one address with SO_REUSEPORT (port 0: the first one's)."""
+    sockets: list[socket.socket] = []
+    try:
+        for _ in range(count):
+            info = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
+            sock = socket.socket(info[0], socket.SOCK_STREAM)
+            sockets.append(sock)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+            sock.bind(info[4])
+            sock.listen(backlog)
+            sock.setblocking(False)
+            port = sock.getsockname()[1]
+    except OSError as exc:
+        for sock in sockets:
+            sock.close()
+        reason = "address already in use" if exc.errno == errno.EADDRINUSE else (exc.strerror or str(exc))
+        raise StartupError(f"cannot listen on {host}:{port}: {reason}") from None
+    return sockets
+
+
+def unix_socket(path: str, mode: int | None, backlog: int) -> socket.socket:
+    prepare_unix_socket(path)
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.bind(path)
+        if mode is not None:
+            os.chmod(path, mode)
+        sock.listen(backlog)
+    except OSError as exc:
+        sock.close()
+        raise StartupError(f"cannot listen on {path}: {exc.strerror or exc}") from None
+    sock.setblocking(False)
+    return sock
+
+
+def child_config(config: ServerConfig, index: int) -> ServerConfig:
+    """Process ``index``'s configuration: its own worker id (or its own lease), gRPC only in the first."""
+    worker_id = None if config.worker_id is None else config.worker_id + index
+    source = config.worker_id_source if index == 0 else f"{config.worker_id_source} + {index} (worker process {index})"
+    return replace(
+        config,
+        worker_id=worker_id,
+        worker_id_source=source,
+        workers=1,
+        grpc_port=config.grpc_port if index == 0 else None,
+    )
+
+
+class Supervisor:
+    """Starts, restarts and stops the worker processes (see the module's docstring)."""
+
+    def __init__(self, config: ServerConfig, run_child: Callable[[ServerConfig, Listeners, Board, int], int]) -> None:
+        self.config = config
+        self.run_child = run_child
+        self.board = Board(config.workers)
+        self.slots: list[ProcessSlot] = []
+        self._shared: list[socket.socket] = []
+        self._unix_path: str | None = None
+        self._stopping = False
+        self._started = time.monotonic()
+
+    # -- sockets ---------------------------------------------------------------------------------
+    def open_listeners(self) -> None:
+        config = self.config
+        backlog = min(4096, max(128, config.max_connections))
+        count = config.workers
+        per_process: list[Listeners] = [Listeners() for _ in range(count)]
+        try:
+            inherited = inherited_sockets()
+        except ActivationError as exc:
+            raise StartupError(str(exc)) from None
+        shared = list(inherited)
+        if not inherited:
+            if config.port is not None:
+                for listeners, sock in zip(
+                    per_process, reuseport_sockets(config.host, config.port, count, backlog), strict=True
+                ):
+                    listeners.memcached.append(sock)
+            if config.sock:
+                shared.append(unix_socket(config.sock, config.sock_mode, backlog))
+                self._unix_path = config.sock
+        if config.http_port is not None:
+            for listeners, sock in zip(
+                per_process, reuseport_sockets(config.host, config.http_port, count, backlog), strict=True
+            ):
+                listeners.http.append(sock)
+        for listeners in per_process:
+            listeners.memcached.extend(shared)
+        self._shared = shared
+        self.slots = [ProcessSlot(i, child_config(config, i), per_process[i]) for i in range(count)]
+
+    def close_listeners(self) -> None:
+        for slot in self.slots:
+            for sock in [*slot.listeners.memcached, *slot.listeners.http]:
+                with contextlib.suppress(OSError):
+                    sock.close()
+        if self._unix_path is not None:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self._unix_path)
+            self._unix_path = None
+
+    # -- processes -------------------------------------------------------------------------------
+    def spawn(self, slot: ProcessSlot) -> None:
+        pid = os.fork()
+        if pid == 0:  # the worker process
+            code = 1
+            try:
+                signal.pthread_sigmask(signal.SIG_SETMASK, set())
+                for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGCHLD):
+                    signal.signal(signum, signal.SIG_DFL)
+                mine = {id(sock) for sock in [*slot.listeners.memcached, *slot.listeners.http]}
+                for other in self.slots:  # another process's SO_REUSEPORT socket must not stay open here
+                    for sock in [*other.listeners.memcached, *other.listeners.http]:
+                        if id(sock) not in mine:
+                            sock.close()
+                code = self.run_child(slot.config, slot.listeners, self.board, slot.index)
+            except BaseException:  # whatever happens, never return into the supervisor
+                log.exception("worker process %d failed", slot.index)
+            finally:
+                os._exit(code)
+        slot.pid = pid
+        slot.started = time.monotonic()
+        slot.restart_at = None
+
+    def run(self) -> int:
+        """Open the listeners, start every process, supervise until a signal; the exit status."""
+        self.open_listeners()
+        watched = {signal.SIGTERM, signal.SIGINT, signal.SIGCHLD}
+        signal.pthread_sigmask(signal.SIG_BLOCK, watched)
+        status = 0
+        try:
+            for slot in self.slots:
+                self.spawn(slot)
+            log.info(
+                "supervising %d worker processes (pids %s)",
+                len(self.slots),
+                ", ".join(str(slot.pid) for slot in self.slots),
+            )
+            while not self._stopping:
+                timeout = self._next_restart_in()
+                if timeout is None:
+                    info = signal.sigwaitinfo(watched)
+                else:  # a restart is due: wait at most until then
+                    info = signal.sigtimedwait(watched, timeout) if timeout > 0 else None
+                if info is not None and info.si_signo in (signal.SIGTERM, signal.SIGINT):
+                    log.info("stopping %d worker processes", len(self.slots))
+                    break
+                failed = self._reap()
+                if failed is not None:
+                    status = 1
+                    log.error("%s; stopping the other worker processes", failed)
+                    break
+                self._restart_due()
+        finally:
+            self._stop_all()
+            self.close_listeners()
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, watched)
+        return status
+
+    def _next_restart_in(self) -> float | None:
+        due = [slot.restart_at for slot in self.slots if slot.restart_at is not None]
+        return None if not due else max(0.0, min(due) - time.monotonic())
+
+    def _reap(self) -> str | None:
+        """Collect every process that ended; schedule its restart. A message if start-up failed."""
+        while True:
+            try:
+                pid, wait_status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                return None
+            if pid == 0:
+                return None
+            slot = next((s for s in self.slots if s.pid == pid), None)
+            if slot is None:
+                continue
+            code = os.waitstatus_to_exitcode(wait_status)
+            slot.pid = 0
+            lived = time.monotonic() - slot.started
+            how = f"exited with status {code}" if code >= 0 else f"was killed by signal {-code}"
+            if code == 1 and time.monotonic() - self._started < _STARTUP_GRACE_S:
+                return f"worker process {slot.index} could not start ({how})"
+            slot.pause = 0.0 if lived >= _QUICK_DEATH_S else min(_MAX_PAUSE_S, max(0.5, slot.pause * 2))
+            slot.restart_at = time.monotonic() + slot.pause
+            log.error(
+                "worker process %d (pid %d, worker id %s) %s after %.1f s; restarting it%s",
+                slot.index,
+                pid,
+                "leased" if slot.config.worker_id is None else slot.config.worker_id,
+                how,
+                lived,
+                f" in {slot.pause:.1f} s" if slot.pause else "",
+            )
+
+    def _restart_due(self) -> None:
+        now = time.monotonic()
+        for slot in self.slots:
+            if slot.restart_at is not None and slot.restart_at <= now and slot.pid == 0:
+                self.spawn(slot)
+
+    def _stop_all(self) -> None:
+        """SIGTERM to every process; each drains its connections and exits; SIGKILL the stragglers."""
+        self._stopping = True
+        running = [slot for slot in self.slots if slot.pid]
+        for slot in running:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(slot.pid, signal.SIGTERM)
+        deadline = time.monotonic() + _STOP_TIMEOUT_S
+        for slot in running:
+            while slot.pid:
+                try:
+                    pid, _ = os.waitpid(slot.pid, os.WNOHANG)
+                except ChildProcessError:
+                    break
+                if pid:
+                    break
+                if time.monotonic() > deadline:
+                    log.warning("worker process %d did not stop in %.0f s; killing it", slot.index, _STOP_TIMEOUT_S)
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(slot.pid, signal.SIGKILL)
+                    os.waitpid(slot.pid, 0)
+                    break
+                time.sleep(0.01)
+            slot.pid = 0
