@@ -37,6 +37,13 @@ class Built:
     wheel: Path
 
 
+def the_wheel(out: Path) -> Path:
+    """The one wheel in ``out``: platform-specific, because it may carry the compiled hot path."""
+    wheels = list(out.glob(f"katsubushi_py-{katsubushi_py.__version__}-cp*-*.whl"))
+    assert len(wheels) == 1, sorted(p.name for p in out.iterdir())
+    return wheels[0]
+
+
 @pytest.fixture(scope="module")
 def built(tmp_path_factory: pytest.TempPathFactory) -> Built:
     pytest.importorskip("build", reason="the test extra installs build")
@@ -53,7 +60,7 @@ def built(tmp_path_factory: pytest.TempPathFactory) -> Built:
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     version = katsubushi_py.__version__
     sdist = out / f"katsubushi_py-{version}.tar.gz"
-    wheel = out / f"katsubushi_py-{version}-py3-none-any.whl"
+    wheel = the_wheel(out)
     assert sorted(p.name for p in out.iterdir()) == sorted([sdist.name, wheel.name])
     return Built(sdist, wheel)
 
@@ -74,10 +81,13 @@ def test_wheel_contains_every_subpackage_and_module(built: Built) -> None:
     files = {
         str(p.relative_to(ROOT))
         for p in (ROOT / "katsubushi_py").rglob("*")
-        if p.is_file() and "__pycache__" not in p.parts and not p.name.endswith((".pyc", ".so"))
+        if p.is_file() and "__pycache__" not in p.parts and not p.name.endswith((".pyc", ".so", ".c"))
     }
     assert {"katsubushi_py/py.typed", "katsubushi_py/cli.py"} <= files
     assert files <= names, sorted(files - names)
+    # Built where a C compiler exists (here): the compiled hot path is in the wheel, its source is not.
+    assert any(name.startswith("katsubushi_py/_speedups.") and name.endswith(".so") for name in names)
+    assert "katsubushi_py/_speedups.c" not in names
     assert not any(name.startswith(("tests/", "bench/")) for name in names)
     dist_info = f"katsubushi_py-{katsubushi_py.__version__}.dist-info"
     assert f"{dist_info}/licenses/LICENSE" in names
@@ -102,6 +112,8 @@ def test_sdist_contains_the_docs_tests_and_deployment_files(built: Built) -> Non
         "contrib/katsubushi-py.socket",
         "tests/conftest.py",
         "katsubushi_py/__init__.py",
+        "katsubushi_py/_speedups.c",
+        "setup.py",
         "bench/loadgen.c",
     ):
         assert required in names, required
@@ -198,3 +210,33 @@ def test_installed_wheel_serves_ids(installed: Path, tmp_path: Path) -> None:
             proc.kill()
             proc.wait()
     assert proc.stderr is not None and "uvloop" in proc.stderr.read().decode(), "uvloop came with the wheel"
+
+
+def test_installed_wheel_runs_the_compiled_hot_path(installed: Path, tmp_path: Path) -> None:
+    check = "import katsubushi_py.compiled as c; print(c.IMPLEMENTATION)"
+    for extensions, expected in (("0", "compiled"), ("1", "python")):
+        result = subprocess.run(
+            [str(installed / "python"), "-c", check],
+            capture_output=True,
+            text=True,
+            timeout=30,
+            cwd=tmp_path,
+            env={**clean_env(), "KATSUBUSHI_NO_EXTENSIONS": extensions},
+        )
+        assert result.stdout.strip() == expected, result.stderr
+
+
+def test_without_a_c_compiler_the_sdist_still_builds_a_working_wheel(built: Built, tmp_path: Path) -> None:
+    """Where no compiler works, the build warns and the wheel carries the pure-Python hot path only."""
+    out = tmp_path / "dist"
+    result = subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--wheel-dir", str(out), str(built.sdist)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "CC": "/bin/false"},
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    names = zipfile.ZipFile(the_wheel(out)).namelist()
+    assert "katsubushi_py/issuing/generator.py" in names
+    assert not any(name.startswith("katsubushi_py/_speedups.") for name in names), names
