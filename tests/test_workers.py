@@ -104,6 +104,20 @@ def test_sigterm_stops_every_process_and_removes_the_socket(daemons: DaemonFacto
         assert not Path(f"/proc/{pid}").exists() or "Z" in Path(f"/proc/{pid}/stat").read_text().split()[2]
 
 
+def test_worker_processes_do_not_outlive_a_killed_supervisor(daemons: DaemonFactory) -> None:
+    d = daemons.start("--workers", "2", worker_id=50)
+    pids = wait_for(lambda: len(children(d.pid)) == 2 and children(d.pid))
+    d.stop(signal.SIGKILL)
+
+    def gone(pid: int) -> bool:
+        try:
+            return Path(f"/proc/{pid}/stat").read_text().split()[2] == "Z"
+        except OSError:
+            return True
+
+    wait_for(lambda: all(gone(pid) for pid in pids), timeout=10)
+
+
 def test_leased_worker_processes_each_lease_their_own_id(daemons: DaemonFactory, tmp_path: Path) -> None:
     from lease_helpers import init_pool, lease_args
     from redis_servers import start_redis

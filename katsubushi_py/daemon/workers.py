@@ -32,6 +32,7 @@ publishes at least once a second on a small shared memory board (:class:`Board`)
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import errno
 import logging
 import mmap
@@ -167,6 +168,16 @@ def unix_socket(path: str, mode: int | None, backlog: int) -> socket.socket:
     return sock
 
 
+def _die_with(supervisor: int) -> None:
+    """Have the kernel send this worker process SIGTERM when the supervisor dies, even by SIGKILL, so
+    that no worker outlives it holding a worker id (Linux ``PR_SET_PDEATHSIG``; elsewhere the worker
+    notices nothing, as with any daemon whose parent dies)."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM, 0, 0, 0)  # 1 = PR_SET_PDEATHSIG
+    if os.getppid() != supervisor:  # it died before the request took effect
+        os._exit(1)
+
+
 def child_config(config: ServerConfig, index: int) -> ServerConfig:
     """Process ``index``'s configuration: its own worker id (or its own lease), gRPC only in the first."""
     worker_id = None if config.worker_id is None else config.worker_id + index
@@ -235,10 +246,12 @@ class Supervisor:
 
     # -- processes -------------------------------------------------------------------------------
     def spawn(self, slot: ProcessSlot) -> None:
+        supervisor = os.getpid()
         pid = os.fork()
         if pid == 0:  # the worker process
             code = 1
             try:
+                _die_with(supervisor)
                 signal.pthread_sigmask(signal.SIG_SETMASK, set())
                 for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGCHLD):
                     signal.signal(signum, signal.SIG_DFL)
