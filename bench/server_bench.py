@@ -337,6 +337,10 @@ class Subject:
     python: str = sys.executable
     cpus: str = "0"
 
+    def serves(self, sc: Scenario) -> bool:
+        """An older checkout (``--baseline``) may predate the binary protocol: it sits those out."""
+        return self.cwd is None or BINARY[0] not in sc.args
+
     def cmd(self, port: int | None, sock: str | None, state_dir: Path) -> list[str]:
         """The command line; ``state_dir`` must be this instance's own (worker id 1's file is locked)."""
         cmd = katsubushi_cmd(port, sock, state_dir)
@@ -492,11 +496,12 @@ def main() -> None:
         names = [subject.name for subject in subjects]
         verified = 0
         for sc in scenarios:
-            for name in names:
+            here = [subject.name for subject in subjects if subject.serves(sc)]
+            for name in here:
                 check = run_loadgen(loadgen, servers[(name, sc.transport)], sc, min(args.seconds, 1.0), True)
                 verified += int(check["checked_unique"])
             for run in range(args.runs):
-                order = [*names, "memcached"]
+                order = [*here, "memcached"]
                 order = order[run % len(order) :] + order[: run % len(order)]  # rotate: no subject always first
                 if sc.floor:
                     order.append("uvloop floor")
@@ -563,7 +568,9 @@ def main() -> None:
         unit = "req/s" if sc.metric == "rps" else "IDs/s"
         m = med(sc.samples["memcached"], sc.metric)
         for name in [*names, "memcached", *(["uvloop floor"] if sc.floor else [])]:
-            rows = sc.samples[name]
+            rows = sc.samples.get(name)
+            if not rows:
+                continue
             print(
                 f"| {sc.name} | {name} | {med(rows, sc.metric):,.0f} {unit} | {med(rows, sc.metric) / m:.2f} |"
                 f" {med(rows, 'p50_us'):.0f} / {med(rows, 'p99_us'):.0f} us |"
