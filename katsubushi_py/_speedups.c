@@ -383,7 +383,7 @@ static PyType_Spec Counters_spec = {
 
 #define MAX_FAST_KEYS 128
 
-typedef struct {
+typedef struct ConnCore_ {
     PyObject_HEAD
     /* The sans-IO connection's own state, shared with the Python subclass as attributes. */
     PyObject *buffer;    /* _buffer: bytes held from earlier reads */
@@ -395,9 +395,12 @@ typedef struct {
     Counters *counters;
     Py_ssize_t max_line;
     char gets_fast;      /* GETS is answered exactly like GET (no --gets-cas) */
+    PyObject *(*receive)(struct ConnCore_ *, PyObject *); /* this protocol's receive, for ProtocolCore */
 } ConnCore;
 
-static PyTypeObject *GenCore_Type, *Counters_Type;
+static PyTypeObject *GenCore_Type, *Counters_Type, *TextCore_Type, *BinaryCore_Type;
+static PyObject *TextCore_receive(ConnCore *self, PyObject *data);
+static PyObject *BinaryCore_receive(ConnCore *self, PyObject *data);
 
 static PyObject *
 ConnCore_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
@@ -410,6 +413,7 @@ ConnCore_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
             return NULL;
         }
         self->max_line = 0;
+        self->receive = PyType_IsSubtype(type, BinaryCore_Type) ? BinaryCore_receive : TextCore_receive;
     }
     return (PyObject *)self;
 }
@@ -909,6 +913,178 @@ static PyType_Spec BinaryCore_spec = {
 };
 
 /* ------------------------------------------------------------------------------------------------ */
+/* ProtocolCore: the asyncio protocol's data_received, twin of daemon/connection.py PyProtocolCore    */
+
+typedef struct {
+    PyObject_HEAD
+    PyObject *conn;    /* _conn: the sans-IO connection */
+    PyObject *receive; /* _receive: what takes the bytes (conn.receive, or the first-read sniffer) */
+    PyObject *write;   /* _write: transport.write */
+    ConnCore *fast;    /* the connection when it is a compiled core and _use() bound it: called directly */
+} ProtoCore;
+
+static PyObject *str_after_receive;
+
+static int
+ProtoCore_traverse(ProtoCore *self, visitproc visit, void *arg)
+{
+    Py_VISIT(self->conn);
+    Py_VISIT(self->receive);
+    Py_VISIT(self->write);
+    Py_VISIT(self->fast);
+    Py_VISIT(Py_TYPE(self));
+    return 0;
+}
+
+static int
+ProtoCore_clear(ProtoCore *self)
+{
+    Py_CLEAR(self->conn);
+    Py_CLEAR(self->receive);
+    Py_CLEAR(self->write);
+    Py_CLEAR(self->fast);
+    return 0;
+}
+
+static void
+ProtoCore_dealloc(ProtoCore *self)
+{
+    PyTypeObject *tp = Py_TYPE(self);
+    PyObject_GC_UnTrack(self);
+    ProtoCore_clear(self);
+    tp->tp_free((PyObject *)self);
+    Py_DECREF(tp);
+}
+
+/* data_received(data): the reply to what arrived, written at once; anything else a connection may
+ * need afterwards (close, wait for the clock) is the Python _after_receive's. */
+static PyObject *
+ProtoCore_data_received(ProtoCore *self, PyObject *data)
+{
+    ConnCore *fast = self->fast;
+    PyObject *reply;
+    if (fast != NULL)
+        reply = fast->receive(fast, data);
+    else if (self->receive != NULL)
+        reply = PyObject_CallOneArg(self->receive, data);
+    else
+        Py_RETURN_NONE; /* not connected (yet, or any more) */
+    if (reply == NULL)
+        return NULL;
+    if (!PyBytes_Check(reply) || PyBytes_GET_SIZE(reply) != 0) {
+        if (self->write == NULL) {
+            Py_DECREF(reply);
+            Py_RETURN_NONE;
+        }
+        PyObject *r = PyObject_CallOneArg(self->write, reply);
+        Py_DECREF(reply);
+        if (r == NULL)
+            return NULL;
+        Py_DECREF(r);
+    } else {
+        Py_DECREF(reply);
+    }
+    if (fast != NULL && !fast->closing && fast->wait == 0.0)
+        Py_RETURN_NONE;
+    return PyObject_CallMethodNoArgs((PyObject *)self, str_after_receive);
+}
+
+/* _use(conn): from now on hand every read to conn.receive; directly in C when conn is a compiled core. */
+static PyObject *
+ProtoCore_use(ProtoCore *self, PyObject *conn)
+{
+    PyObject *receive = PyObject_GetAttrString(conn, "receive");
+    if (receive == NULL)
+        return NULL;
+    Py_INCREF(conn);
+    Py_XSETREF(self->conn, conn);
+    Py_XSETREF(self->receive, receive);
+    ConnCore *fast = NULL;
+    if (PyObject_TypeCheck(conn, TextCore_Type) || PyObject_TypeCheck(conn, BinaryCore_Type)) {
+        PyObject *meth = PyObject_GetAttrString((PyObject *)Py_TYPE(conn), "receive");
+        if (meth == NULL)
+            return NULL;
+        /* Only when the class's receive is the compiled one (a method descriptor of the core). */
+        if (Py_IS_TYPE(meth, &PyMethodDescr_Type))
+            fast = (ConnCore *)conn;
+        Py_DECREF(meth);
+    }
+    Py_XINCREF(fast);
+    Py_XSETREF(self->fast, fast);
+    Py_RETURN_NONE;
+}
+
+static PyObject *
+ProtoCore_get(PyObject **slot)
+{
+    PyObject *v = *slot ? *slot : Py_None;
+    Py_INCREF(v);
+    return v;
+}
+
+static int
+ProtoCore_set(PyObject **slot, PyObject *value)
+{
+    PyObject *v = (value == NULL || value == Py_None) ? NULL : value;
+    Py_XINCREF(v);
+    Py_XSETREF(*slot, v);
+    return 0;
+}
+
+static PyObject *ProtoCore_get_conn(ProtoCore *self, void *c) { return ProtoCore_get(&self->conn); }
+static PyObject *ProtoCore_get_receive(ProtoCore *self, void *c) { return ProtoCore_get(&self->receive); }
+static PyObject *ProtoCore_get_write(ProtoCore *self, void *c) { return ProtoCore_get(&self->write); }
+
+/* Setting _conn or _receive by hand (the first-read sniffer, a refused connection) leaves the
+ * direct path until _use() binds a connection again. */
+static int
+ProtoCore_set_conn(ProtoCore *self, PyObject *v, void *c)
+{
+    Py_CLEAR(self->fast);
+    return ProtoCore_set(&self->conn, v);
+}
+
+static int
+ProtoCore_set_receive(ProtoCore *self, PyObject *v, void *c)
+{
+    Py_CLEAR(self->fast);
+    return ProtoCore_set(&self->receive, v);
+}
+
+static int ProtoCore_set_write(ProtoCore *self, PyObject *v, void *c) { return ProtoCore_set(&self->write, v); }
+
+static PyMethodDef ProtoCore_methods[] = {
+    {"data_received", (PyCFunction)ProtoCore_data_received, METH_O, "Hand what arrived to the connection; write the reply."},
+    {"_use", (PyCFunction)ProtoCore_use, METH_O, NULL},
+    {NULL},
+};
+
+static PyGetSetDef ProtoCore_getset[] = {
+    {"_conn", (getter)ProtoCore_get_conn, (setter)ProtoCore_set_conn, NULL, NULL},
+    {"_receive", (getter)ProtoCore_get_receive, (setter)ProtoCore_set_receive, NULL, NULL},
+    {"_write", (getter)ProtoCore_get_write, (setter)ProtoCore_set_write, NULL, NULL},
+    {NULL},
+};
+
+static PyType_Slot ProtoCore_slots[] = {
+    {Py_tp_dealloc, ProtoCore_dealloc},
+    {Py_tp_traverse, ProtoCore_traverse},
+    {Py_tp_clear, ProtoCore_clear},
+    {Py_tp_methods, ProtoCore_methods},
+    {Py_tp_getset, ProtoCore_getset},
+    {Py_tp_doc, "The connection glue's data_received (compiled twin of PyProtocolCore)."},
+    {0, NULL},
+};
+
+static PyType_Spec ProtoCore_spec = {
+    "katsubushi_py._speedups.ProtocolCore",
+    sizeof(ProtoCore),
+    0,
+    Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE | Py_TPFLAGS_HAVE_GC,
+    ProtoCore_slots,
+};
+
+/* ------------------------------------------------------------------------------------------------ */
 
 static int
 speedups_exec(PyObject *m)
@@ -924,14 +1100,19 @@ speedups_exec(PyObject *m)
     Counters_Type = (PyTypeObject *)PyType_FromModuleAndSpec(m, &Counters_spec, NULL);
     if (Counters_Type == NULL || PyModule_AddType(m, Counters_Type) < 0)
         return -1;
-    PyTypeObject *text = (PyTypeObject *)PyType_FromModuleAndSpec(m, &TextCore_spec, NULL);
-    if (text == NULL || PyModule_AddType(m, text) < 0)
+    TextCore_Type = (PyTypeObject *)PyType_FromModuleAndSpec(m, &TextCore_spec, NULL);
+    if (TextCore_Type == NULL || PyModule_AddType(m, TextCore_Type) < 0)
         return -1;
-    Py_DECREF(text);
-    PyTypeObject *binary = (PyTypeObject *)PyType_FromModuleAndSpec(m, &BinaryCore_spec, NULL);
-    if (binary == NULL || PyModule_AddType(m, binary) < 0)
+    BinaryCore_Type = (PyTypeObject *)PyType_FromModuleAndSpec(m, &BinaryCore_spec, NULL);
+    if (BinaryCore_Type == NULL || PyModule_AddType(m, BinaryCore_Type) < 0)
         return -1;
-    Py_DECREF(binary);
+    str_after_receive = PyUnicode_InternFromString("_after_receive");
+    if (str_after_receive == NULL)
+        return -1;
+    PyTypeObject *proto = (PyTypeObject *)PyType_FromModuleAndSpec(m, &ProtoCore_spec, NULL);
+    if (proto == NULL || PyModule_AddType(m, proto) < 0)
+        return -1;
+    Py_DECREF(proto);
     return 0;
 }
 

@@ -19,7 +19,9 @@ import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Protocol
 
+from ..compiled import speedups
 from ..frontends.binary import REQUEST_MAGIC, BinaryConnection
+from ..frontends.fastpath import COMPILED
 from ..frontends.text import TextConnection
 
 if TYPE_CHECKING:
@@ -59,23 +61,37 @@ class _Closed:
 _CLOSED = _Closed()
 
 
-class ConnectionHandler(asyncio.Protocol):
+class PyProtocolCore:
+    """The connection's sans-IO object (``_conn``), what takes its bytes (``_receive``) and the
+    transport's write (``_write``). ``_speedups.ProtocolCore`` is the compiled twin: it keeps the
+    three in C and implements ``data_received`` itself, calling a compiled connection's receive
+    directly, so a request costs no Python frame at all on the hot path."""
+
+    __slots__ = ("_conn", "_receive", "_write")
+
+    def _use(self, conn: SansIOConnection) -> None:
+        """From now on hand every read to ``conn``."""
+        self._conn = conn
+        self._receive = conn.receive
+
+
+ProtocolCore = speedups.ProtocolCore if COMPILED and speedups is not None and not TYPE_CHECKING else PyProtocolCore
+
+
+class ConnectionHandler(ProtocolCore, asyncio.Protocol):
     """A client connection: memcached (text or binary, as its first byte says) unless
     ``open_protocol`` makes another sans-IO protocol object (HTTP), whose listener also says what a
     refused connection is told."""
 
     __slots__ = (
-        "_conn",
         "_daemon",
         "_eof",
         "_idle_handle",
         "_last_activity",
         "_open_protocol",
-        "_receive",
         "_refusal",
         "_transport",
         "_wait_handle",
-        "_write",
         "_write_paused",
     )
 
@@ -109,9 +125,7 @@ class ConnectionHandler(asyncio.Protocol):
             tcp.close()
             return
         if self._open_protocol is not None:
-            conn = self._conn = self._open_protocol()
-            # Bound once here rather than looked up on every request.
-            self._receive = conn.receive
+            self._use(self._open_protocol())
         else:
             # Text until the first byte says otherwise (the idle timer may read its activity before that).
             self._conn = TextConnection(daemon.issuer, gets_cas=daemon.config.gets_cas)
@@ -126,15 +140,23 @@ class ConnectionHandler(asyncio.Protocol):
     def _first_data(self, data: bytes) -> bytes:
         """The first read on a memcached connection: pick the protocol, and bind its receive for
         every later read."""
-        if data[0] == REQUEST_MAGIC:
-            self._conn = BinaryConnection(self._daemon.issuer)
-        receive = self._receive = self._conn.receive
-        return receive(data)
+        conn = BinaryConnection(self._daemon.issuer) if data[0] == REQUEST_MAGIC else self._conn
+        self._use(conn)
+        return conn.receive(data)
 
-    def data_received(self, data: bytes) -> None:
+    def _data_received(self, data: bytes) -> None:
         reply = self._receive(data)
         if reply:
             self._write(reply)
+        conn = self._conn
+        if conn.closing or conn.wait:
+            self._after_receive()
+
+    if not COMPILED:  # else the compiled ProtocolCore's data_received: the same steps in C
+        data_received = _data_received
+
+    def _after_receive(self) -> None:
+        """After a read whose reply asks for more than a write: close, or wait for the clock."""
         conn = self._conn
         if conn.closing:
             self._transport.close()  # type: ignore[union-attr]
