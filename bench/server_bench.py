@@ -408,6 +408,9 @@ def main() -> None:
     parser.add_argument("--baseline", metavar="DIR", help="also measure the katsubushi-py checked out in DIR")
     parser.add_argument("--python", metavar="EXE", default=sys.executable, help="interpreter for katsubushi-py")
     parser.add_argument(
+        "--also-python", metavar="EXE", action="append", default=[], help="also measure katsubushi-py under EXE"
+    )
+    parser.add_argument(
         "--workers",
         type=int,
         default=0,
@@ -430,6 +433,18 @@ def main() -> None:
         subjects.append(Subject("katsubushi-py (python)", {"KATSUBUSHI_NO_EXTENSIONS": "1"}, python=args.python))
     if args.baseline:
         subjects.append(Subject("baseline", cwd=str(Path(args.baseline).resolve()), python=args.python))
+    for other in args.also_python:
+        version = subprocess.run(
+            [other, "-c", "import platform; print(platform.python_version())"],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
+        subjects.append(Subject(f"katsubushi-py on Python {version}", python=other))
+        if args.pure:
+            subjects.append(
+                Subject(f"katsubushi-py (python) on Python {version}", {"KATSUBUSHI_NO_EXTENSIONS": "1"}, python=other)
+            )
     threads = 1
     if args.workers:
         threads = args.workers

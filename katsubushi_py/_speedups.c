@@ -1,8 +1,8 @@
 /*
  * katsubushi_py._speedups: the compiled twin of the hot path.
  *
- * Three small types, each the C twin of a pure-Python class that stays the reference and runs
- * wherever this module is not built or KATSUBUSHI_NO_EXTENSIONS=1 is set:
+ * Small types, each the C twin of a pure-Python class that stays the reference and runs wherever
+ * this module is not built or KATSUBUSHI_NO_EXTENSIONS=1 is set:
  *
  *   GeneratorCore  twin of issuing/bucket.py PyGeneratorCore: the current millisecond's unused IDs
  *                  (next .. stop), valid until the monotonic instant end_ns. Taking an ID is a clock
@@ -10,11 +10,15 @@
  *                  Anything else (a new millisecond, the fence, the state file, waiting) is the
  *                  Python generator's _refill, reached through _next_id_slow / _next_ids_slow.
  *   Counters       twin of issuing/issuer.py PyCounters: commands and IDs as C integers.
- *   TextCore       twin of the fast cases of frontends/text.py TextConnection.receive: complete
- *                  GET/GETS lines whose IDs are all in the current bucket. At the first line it does
- *                  not take (any other command, a partial line, a used-up bucket, a held buffer, a
- *                  waiting or closing connection) it hands the rest to the Python _receive_slow,
- *                  so every byte of behaviour that is not the fast path is the Python code's.
+ *   TextCore,      twins of the fast cases of TextConnection.receive and BinaryConnection.receive
+ *   BinaryCore     (frontends/fastpath.py PyConnectionCore): complete GET/GETS lines, or GET-family
+ *                  and NOOP packets, whose IDs are all in the current bucket. At the first request
+ *                  it does not take (any other command, a partial request, a used-up bucket, a held
+ *                  buffer, a waiting or closing connection) it hands the rest to the Python
+ *                  _receive_slow, so every byte of behaviour that is not the fast path is Python's.
+ *   ProtocolCore   twin of daemon/connection.py PyProtocolCore: the asyncio protocol's data_received
+ *                  (receive, write the reply, and hand closing or waiting to Python), calling a
+ *                  compiled connection's receive directly: a request runs no Python frame.
  *
  * The rule that keeps the twins identical: C only ever does what the Python code would do for the
  * same input in the same state, and gives up (to Python) whenever it would have to decide anything

@@ -1,9 +1,10 @@
 """Which implementation of the hot path runs: the compiled twin or the pure-Python reference.
 
 ``katsubushi_py._speedups`` (C, built by ``pip install`` where a compiler exists) holds compiled twins
-of three small hot-path classes: the generator's bucket (:class:`~.issuing.bucket.PyGeneratorCore`),
-the per-protocol counters (:class:`~.issuing.issuer.PyCounters`) and the fast cases of the text
-protocol (:class:`~.frontends.text.PyTextCore`). Each pure-Python class stays the reference: it is
+of four small hot-path pieces: the generator's bucket (:class:`~.issuing.bucket.PyGeneratorCore`),
+the per-protocol counters (:class:`~.issuing.issuer.PyCounters`), the fast cases of the text and
+binary protocols (:class:`~.frontends.fastpath.PyConnectionCore`) and the asyncio protocol's
+``data_received`` (:class:`~.daemon.connection.PyProtocolCore`). Each pure-Python class stays the reference: it is
 what runs when the module is not built, when ``KATSUBUSHI_NO_EXTENSIONS`` is set (to anything but
 ``0``), and on a free-threaded CPython (the compiled fast paths rely on the GIL). The test suite runs
 both ways (``.ci/run``), and STATS reports ``implementation``.
