@@ -134,11 +134,14 @@ class Recorder:
         return found[0] if found else None
 
     def resumed(self, daemon: int, after: float) -> Reply | None:
-        """The first successful reply after the daemon's first error following ``after``."""
+        """The first successful reply to a request sent after the daemon's first error (following
+        ``after``) was received. Not after that error was *sent*: each client thread takes its time
+        before it sends, so under load a request stamped later can reach the daemon earlier and be
+        served before the fence went up; a request sent after an error came back cannot."""
         stopped = self.first_error(daemon, after)
         if stopped is None:
             return None
-        served = self.served(daemon, stopped.sent)
+        served = self.served(daemon, stopped.received)
         return served[0] if served else None
 
     def holders(self) -> dict[int, dict[int, tuple[float, float]]]:

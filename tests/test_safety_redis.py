@@ -58,8 +58,10 @@ def check_recovery(recorder: Recorder, daemons: list[int], lost_at: float) -> li
         assert stopped.sent - lost_at <= RENEW + LOAD_SLACK
         back = recorder.resumed(d, lost_at)
         assert back is not None
-        assert back.received - lost_at >= RECOVERY  # the barrier starts when the loss is seen, after it
-        assert back.received - lost_at <= RESUME_BOUND + LOAD_SLACK
+        seen = f"daemon {d} stopped at +{stopped.sent - lost_at:.2f}s with {stopped.error!r}"
+        # the barrier starts when the loss is seen, after it
+        assert back.received - lost_at >= RECOVERY, f"{seen}, served again at +{back.received - lost_at:.2f}s"
+        assert back.received - lost_at <= RESUME_BOUND + LOAD_SLACK, seen
         resumed.append(round(back.received - lost_at, 2))
     return resumed
 
@@ -202,7 +204,7 @@ def test_hand_edited_lease_record(
     assert recorder.overlapping_holders() == []
     stopped = recorder.first_error(0, edited_at)
     assert stopped is not None and stopped.received - woke_at <= RENEW + LOAD_SLACK
-    again = [r for r in recorder.replies if r.ids and r.sent > stopped.sent]
+    again = [r for r in recorder.replies if r.ids and r.sent > stopped.received]  # see Recorder.resumed
     served_again = min(r.received for r in again) - edited_at if again else 0.0
     assert served_again >= TTL + 2 * skew
     print(f"hand edit ({edit}): {recorder.summary()}; served again {served_again:.2f} s after the edit")
