@@ -104,6 +104,21 @@ def test_sigterm_stops_every_process_and_removes_the_socket(daemons: DaemonFacto
         assert not Path(f"/proc/{pid}").exists() or "Z" in Path(f"/proc/{pid}/stat").read_text().split()[2]
 
 
+def test_a_worker_process_that_stops_cleanly_leaves_the_shared_socket(daemons: DaemonFactory, short_tmp: Path) -> None:
+    """The unix socket is the supervisor's, shared by every process: one worker stopping cleanly (and
+    being restarted) must not remove its file, as asyncio and uvloop do on close since Python 3.13."""
+    sock = short_tmp / "k.sock"
+    d = daemons.start("--workers", "2", worker_id=60, sock=str(sock))
+    first = wait_for(lambda: len(children(d.pid)) == 2 and children(d.pid))
+    os.kill(first[0], signal.SIGTERM)
+    wait_for(lambda: len(children(d.pid)) == 2 and set(children(d.pid)) != set(first))
+    assert sock.exists()
+    unix = Daemon(d.proc, None, str(sock), 60, d.stderr_path)
+    # both processes accept from it again (the restarted one once its clock and state file allow)
+    wait_for(lambda: worker_ids_seen(unix, 30) == {60, 61})
+    assert sock.exists()
+
+
 def test_worker_processes_do_not_outlive_a_killed_supervisor(daemons: DaemonFactory) -> None:
     d = daemons.start("--workers", "2", worker_id=50)
     pids = wait_for(lambda: len(children(d.pid)) == 2 and children(d.pid))

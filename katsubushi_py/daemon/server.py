@@ -16,6 +16,7 @@ import resource
 import signal
 import socket
 import stat
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -226,7 +227,10 @@ class Daemon:
         backlog = min(4096, max(128, self.config.max_connections))
         for sock in sockets:
             if sock.family == socket.AF_UNIX:
-                server = await self.loop.create_unix_server(factory, sock=sock, backlog=backlog)
+                # The socket file is not ours to remove (systemd's, or shared by every --workers
+                # process): since Python 3.13, asyncio and uvloop unlink it on close unless told not to.
+                keep = {"cleanup_socket": False} if sys.version_info >= (3, 13) else {}
+                server = await self.loop.create_unix_server(factory, sock=sock, backlog=backlog, **keep)
             else:
                 server = await self.loop.create_server(factory, sock=sock, backlog=backlog)
             self.servers.append(server)
