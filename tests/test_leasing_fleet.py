@@ -17,8 +17,9 @@ from conftest import DaemonFactory, decode, wait_for_port
 from lease_helpers import get, ids, init_pool, run_tool, start_leased, stats, wait_serving, wait_until
 from redis_servers import RedisServer
 
+from katsubushi_py.issuing.generator import Generator
 from katsubushi_py.leasing import LeaseTimings, parse_redis_url
-from katsubushi_py.leasing.keeper import LeaseKeeper
+from katsubushi_py.leasing.keeper import Lease, LeaseKeeper
 
 ROOT = Path(__file__).resolve().parent.parent
 QUIET = ("Traceback", "Unclosed", "Task was destroyed", "Exception ignored", "never retrieved")
@@ -126,6 +127,28 @@ async def test_a_busy_event_loop_alone_is_no_clock_skew(caplog: pytest.LogCaptur
     assert 0.3 < skew < 0.5  # what the midpoint suggests
     assert not [r for r in caplog.records if "differs from Redis TIME" in r.getMessage()]
     keeper.client = None
+
+
+def test_stats_says_held_only_once_the_fence_is_lifted() -> None:
+    """The delay ends on the clock a moment before the keeper's loop wakes to lift the generator's
+    fence; in that moment STATS (and so a test or an operator waiting for "held") must not say
+    "held" while a GET is still refused. Seen on a loaded CI machine as a flake."""
+    keeper = LeaseKeeper(parse_redis_url("redis://127.0.0.1:1/0"), LeaseTimings(3, 1, 2), 1, 2)
+    generator = Generator(1, allow_worker_id_change=True)
+    keeper.generator = generator
+    keeper.lease = Lease(1, "token")
+    now = time.monotonic()
+    keeper.stats.serve_after = now + 60
+    keeper.stats.deadline_mono = now + 60
+    keeper._fence(generator)
+    assert keeper.state() == "delay" and generator.check() is not None
+    keeper.stats.serve_after = now - 1  # the delay is over, the loop has not woken yet
+    assert generator.check() is not None
+    assert keeper.state() == "delay"
+    keeper._fence(generator)  # the loop wakes
+    assert generator.check() is None
+    assert keeper.state() == "held"
+    generator.close()
 
 
 def test_fleet_simulation_small_run(tmp_path: Path) -> None:

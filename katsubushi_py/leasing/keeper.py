@@ -223,6 +223,10 @@ class LeaseKeeper:
         self._logged: dict[str, float] = {}
         self._nearly_full = False
         self._spread_next = True  # the next renew's interval is drawn from all of it (see _maintain)
+        # Whether the generator's fence is open under the current lease: STATS says "held" only then,
+        # so a client that saw "held" is never refused (the delay ends on the clock before the loop
+        # wakes to lift the fence).
+        self._open = False
 
     @property
     def recovery_wait(self) -> float:
@@ -307,6 +311,7 @@ class LeaseKeeper:
         elif kind != self._waiting_for.split(" (")[0]:
             self._logged.pop("waiting", None)  # something new to wait for: say so now
         self._waiting_for = why
+        self._open = False
         self.serving.clear()
         reason = f"{WAITING}: {why}"
         if self.generator is not None:
@@ -604,6 +609,7 @@ class LeaseKeeper:
         """Start under a new lease: fenced until its first renew has stored a high-water mark in Redis
         (so that a successor knows how far we may have issued), and until the delay has passed."""
         self.lease = acquired.lease
+        self._open = False
         self._waiting_for = ""
         self.stats.waiting_since = 0.0
         if self.on_change is not None:
@@ -658,6 +664,7 @@ class LeaseKeeper:
     def _fence(self, generator: Generator) -> None:
         now = time.monotonic()
         stats = self.stats
+        self._open = False
         if self.lease is None:
             generator.set_fence(0, f"{WAITING}: {self._waiting_for}")
             self.serving.clear()
@@ -671,6 +678,7 @@ class LeaseKeeper:
             generator.set_fence(0, f"{NOT_CONFIRMED}: waiting out the lease delay")
         else:
             generator.set_fence(int(stats.deadline_mono * 1e9))
+            self._open = True
             if now < stats.deadline_mono and not self.serving.is_set():
                 self.serving.set()
                 log.info("serving worker id %d", generator.worker_id)
@@ -786,8 +794,8 @@ class LeaseKeeper:
             return "connecting" if self._waiting_for.startswith(("connecting", "Redis")) else "waiting"
         if now < self.stats.recovering_until:
             return "recovering"
-        if now < self.stats.serve_after:
-            return "delay"
+        if now < self.stats.serve_after or not self._open:
+            return "delay"  # or its end, before the keeper has woken to lift the fence
         if now >= self.stats.deadline_mono:
             return "unconfirmed"
         return "held"
