@@ -35,10 +35,13 @@ from katsubushi_py.leasing.keeper import init_pool as keeper_init_pool
 
 
 def test_two_then_twenty_daemons_get_distinct_worker_ids(daemons: DaemonFactory, redis_server: RedisServer) -> None:
-    first, second = (start_leased(daemons, redis_server.url) for _ in range(2))
+    # Twenty Python processes starting at once load a 2-core CI machine for seconds: longer timings
+    # than the other tests' so that a renew delayed by that load does not fence a daemon mid-test.
+    slow = ("--lease-ttl", "9s", "--lease-renew", "3s", "--lease-delay", "6s")
+    first, second = (start_leased(daemons, redis_server.url, *slow) for _ in range(2))
     workers = {decode(ids(first)[0])[1], decode(ids(second)[0])[1]}
     assert workers == {1, 2}  # a fresh pool hands out the lowest ids first
-    more = [start_leased(daemons, redis_server.url, wait=False) for _ in range(18)]
+    more = [start_leased(daemons, redis_server.url, *slow, wait=False) for _ in range(18)]
     for d in more:
         wait_for_port(d.port, d.proc, timeout=60)  # type: ignore[arg-type]
         wait_serving(d, timeout=60)
