@@ -19,6 +19,10 @@
  *   ProtocolCore   twin of daemon/connection.py PyProtocolCore: the asyncio protocol's data_received
  *                  (receive, write the reply, and hand closing or waiting to Python), calling a
  *                  compiled connection's receive directly: a request runs no Python frame.
+ *   SocketCore     twin of daemon/sockets.py PySocketCore: a memcached connection's read (one recv,
+ *                  handed to data_received) and write (one send; the rest queued in Python), for the
+ *                  socket transport the loop drives with add_reader, so that a request passes through
+ *                  no event-loop stream object at all.
  *
  * The rule that keeps the twins identical: C only ever does what the Python code would do for the
  * same input in the same state, and gives up (to Python) whenever it would have to decide anything
@@ -1088,6 +1092,190 @@ static PyType_Spec ProtoCore_spec = {
     ProtoCore_slots,
 };
 
+
+/* ------------------------------------------------------------------------------------------------ */
+/* SocketCore: twin of daemon/sockets.py PySocketCore, the reading and writing of a socket transport */
+/* that the event loop drives with add_reader (no uvloop stream in between).                        */
+
+#include <errno.h>
+#include <sys/socket.h>
+
+typedef struct {
+    PyObject_HEAD
+    int fd;
+    char pending;            /* _pending: bytes wait in the Python queue, so a write must go behind them */
+    char closing;            /* _closing: close() or abort() was called: writes are dropped, reads stop */
+    PyObject *data_received; /* _data_received: the protocol's data_received */
+} SockCore;
+
+static PyObject *str_queue, *str_eof_received, *str_fatal;
+
+/* One read per readiness event (as uvloop's streams do, and of their size), into one buffer shared
+ * by every connection of the process: the loop runs one callback at a time. */
+#define SOCK_READ_SIZE 262144
+static char sock_read_buffer[SOCK_READ_SIZE];
+
+static int
+SockCore_traverse(SockCore *self, visitproc visit, void *arg)
+{
+    Py_VISIT(self->data_received);
+    Py_VISIT(Py_TYPE(self));
+    return 0;
+}
+
+static int
+SockCore_clear(SockCore *self)
+{
+    Py_CLEAR(self->data_received);
+    return 0;
+}
+
+static void
+SockCore_dealloc(SockCore *self)
+{
+    PyTypeObject *tp = Py_TYPE(self);
+    PyObject_GC_UnTrack(self);
+    SockCore_clear(self);
+    tp->tp_free((PyObject *)self);
+    Py_DECREF(tp);
+}
+
+static PyObject *
+sock_fatal(SockCore *self, int err)
+{
+    PyObject *code = PyLong_FromLong(err);
+    if (code == NULL)
+        return NULL;
+    PyObject *r = PyObject_CallMethodOneArg((PyObject *)self, str_fatal, code);
+    Py_DECREF(code);
+    return r;
+}
+
+/* _readable(): the loop's reader callback. */
+static PyObject *
+SockCore_readable(SockCore *self, PyObject *unused)
+{
+    if (self->closing || self->data_received == NULL)
+        Py_RETURN_NONE;
+    ssize_t n;
+    do {
+        n = recv(self->fd, sock_read_buffer, SOCK_READ_SIZE, 0);
+    } while (n < 0 && errno == EINTR);
+    if (n > 0) {
+        PyObject *data = PyBytes_FromStringAndSize(sock_read_buffer, n);
+        if (data == NULL)
+            return NULL;
+        PyObject *r = PyObject_CallOneArg(self->data_received, data);
+        Py_DECREF(data);
+        return r;
+    }
+    if (n == 0)
+        return PyObject_CallMethodNoArgs((PyObject *)self, str_eof_received);
+    if (errno == EAGAIN || errno == EWOULDBLOCK)
+        Py_RETURN_NONE;
+    return sock_fatal(self, errno);
+}
+
+/* write(data): send at once when nothing is queued; what the kernel does not take goes to the queue. */
+static PyObject *
+SockCore_write(SockCore *self, PyObject *data)
+{
+    if (self->closing)
+        Py_RETURN_NONE;
+    if (self->pending || !PyBytes_CheckExact(data))
+        return PyObject_CallMethodOneArg((PyObject *)self, str_queue, data);
+    Py_ssize_t size = PyBytes_GET_SIZE(data);
+    if (size == 0)
+        Py_RETURN_NONE;
+    ssize_t n;
+    do {
+        n = send(self->fd, PyBytes_AS_STRING(data), (size_t)size, MSG_NOSIGNAL | MSG_DONTWAIT);
+    } while (n < 0 && errno == EINTR);
+    if (n == size)
+        Py_RETURN_NONE;
+    if (n < 0) {
+        if (errno != EAGAIN && errno != EWOULDBLOCK)
+            return sock_fatal(self, errno);
+        n = 0;
+    }
+    PyObject *rest = PyBytes_FromStringAndSize(PyBytes_AS_STRING(data) + n, size - n);
+    if (rest == NULL)
+        return NULL;
+    PyObject *r = PyObject_CallMethodOneArg((PyObject *)self, str_queue, rest);
+    Py_DECREF(rest);
+    return r;
+}
+
+static PyObject *
+SockCore_get_data_received(SockCore *self, void *c)
+{
+    PyObject *v = self->data_received ? self->data_received : Py_None;
+    Py_INCREF(v);
+    return v;
+}
+
+static int
+SockCore_set_data_received(SockCore *self, PyObject *v, void *c)
+{
+    PyObject *new = (v == NULL || v == Py_None) ? NULL : v;
+    Py_XINCREF(new);
+    Py_XSETREF(self->data_received, new);
+    return 0;
+}
+
+static PyObject *SockCore_get_pending(SockCore *self, void *c) { return PyBool_FromLong(self->pending); }
+static PyObject *SockCore_get_closing(SockCore *self, void *c) { return PyBool_FromLong(self->closing); }
+
+static int
+SockCore_set_flag(char *flag, PyObject *v)
+{
+    int truth = v == NULL ? 0 : PyObject_IsTrue(v);
+    if (truth < 0)
+        return -1;
+    *flag = (char)truth;
+    return 0;
+}
+
+static int SockCore_set_pending(SockCore *self, PyObject *v, void *c) { return SockCore_set_flag(&self->pending, v); }
+static int SockCore_set_closing(SockCore *self, PyObject *v, void *c) { return SockCore_set_flag(&self->closing, v); }
+
+static PyMethodDef SockCore_methods[] = {
+    {"_readable", (PyCFunction)SockCore_readable, METH_NOARGS, "Read once and hand the bytes to the protocol."},
+    {"write", (PyCFunction)SockCore_write, METH_O, "Send now, or queue behind what is queued."},
+    {NULL},
+};
+
+static PyMemberDef SockCore_members[] = {
+    {"_fd", T_INT, offsetof(SockCore, fd), 0, NULL},
+    {NULL},
+};
+
+static PyGetSetDef SockCore_getset[] = {
+    {"_data_received", (getter)SockCore_get_data_received, (setter)SockCore_set_data_received, NULL, NULL},
+    {"_pending", (getter)SockCore_get_pending, (setter)SockCore_set_pending, NULL, NULL},
+    {"_closing", (getter)SockCore_get_closing, (setter)SockCore_set_closing, NULL, NULL},
+    {NULL},
+};
+
+static PyType_Slot SockCore_slots[] = {
+    {Py_tp_dealloc, SockCore_dealloc},
+    {Py_tp_traverse, SockCore_traverse},
+    {Py_tp_clear, SockCore_clear},
+    {Py_tp_methods, SockCore_methods},
+    {Py_tp_members, SockCore_members},
+    {Py_tp_getset, SockCore_getset},
+    {Py_tp_doc, "A socket transport's read and write (compiled twin of PySocketCore)."},
+    {0, NULL},
+};
+
+static PyType_Spec SockCore_spec = {
+    "katsubushi_py._speedups.SocketCore",
+    sizeof(SockCore),
+    0,
+    Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE | Py_TPFLAGS_HAVE_GC,
+    SockCore_slots,
+};
+
 /* ------------------------------------------------------------------------------------------------ */
 
 static int
@@ -1117,6 +1305,15 @@ speedups_exec(PyObject *m)
     if (proto == NULL || PyModule_AddType(m, proto) < 0)
         return -1;
     Py_DECREF(proto);
+    str_queue = PyUnicode_InternFromString("_queue");
+    str_eof_received = PyUnicode_InternFromString("_eof_received");
+    str_fatal = PyUnicode_InternFromString("_fatal");
+    if (!str_queue || !str_eof_received || !str_fatal)
+        return -1;
+    PyTypeObject *sock = (PyTypeObject *)PyType_FromModuleAndSpec(m, &SockCore_spec, NULL);
+    if (sock == NULL || PyModule_AddType(m, sock) < 0)
+        return -1;
+    Py_DECREF(sock);
     return 0;
 }
 

@@ -1,13 +1,16 @@
 """Which implementation of the hot path runs: the compiled twin or the pure-Python reference.
 
 ``katsubushi_py._speedups`` (C, built by ``pip install`` where a compiler exists) holds compiled twins
-of four small hot-path pieces: the generator's bucket (:class:`~.issuing.bucket.PyGeneratorCore`),
+of five small hot-path pieces: the generator's bucket (:class:`~.issuing.bucket.PyGeneratorCore`),
 the per-protocol counters (:class:`~.issuing.issuer.PyCounters`), the fast cases of the text and
-binary protocols (:class:`~.frontends.fastpath.PyConnectionCore`) and the asyncio protocol's
-``data_received`` (:class:`~.daemon.connection.PyProtocolCore`). Each pure-Python class stays the reference: it is
-what runs when the module is not built, when ``KATSUBUSHI_NO_EXTENSIONS`` is set (to anything but
-``0``), and on a free-threaded CPython (the compiled fast paths rely on the GIL). The test suite runs
-both ways (``.ci/run``), and STATS reports ``implementation``.
+binary protocols (:class:`~.frontends.fastpath.PyConnectionCore`), the asyncio protocol's
+``data_received`` (:class:`~.daemon.connection.PyProtocolCore`) and the socket transport's read and
+write (:class:`~.daemon.sockets.PySocketCore`; with the compiled path the memcached listeners are
+served on that transport instead of the event loop's streams, see :mod:`~.daemon.sockets`). Each
+pure-Python class stays the reference: it is what runs when the module is not built, when
+``KATSUBUSHI_NO_EXTENSIONS`` is set (to anything but ``0``), and on a free-threaded CPython (the
+compiled fast paths rely on the GIL). The test suite runs both ways (``.ci/run``), and STATS reports
+``implementation``.
 """
 
 from __future__ import annotations

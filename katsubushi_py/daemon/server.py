@@ -30,6 +30,7 @@ from ..issuing.statefile import StateFile
 from ..leasing import LeaseError, LeaseKeeper
 from .activation import ActivationError, describe, inherited_sockets
 from .connection import ConnectionHandler
+from .sockets import DIRECT, SocketServer, bind_tcp, bind_unix
 from .stats import Stats, settings_fields
 
 log = logging.getLogger("katsubushi_py")
@@ -114,7 +115,7 @@ class Daemon:
         self.issuer.stats_fields = self.stats.fields
         self.issuer.settings_fields = lambda: settings_fields(config)
         self.connections: set[ConnectionHandler] = set()
-        self.servers: list[asyncio.AbstractServer] = []
+        self.servers: list[asyncio.AbstractServer | SocketServer] = []
         self.stopping = False
         self._all_closed: asyncio.Event | None = None
         self.addresses: list[str] = []
@@ -125,16 +126,34 @@ class Daemon:
         if self._all_closed is not None and not self.connections:
             self._all_closed.set()
 
-    async def _listen_tcp(self, factory: Callable[[], asyncio.Protocol], port: int, scheme: str = "") -> None:
+    async def _listen_tcp(
+        self, factory: Callable[[], asyncio.Protocol], port: int, scheme: str = "", direct: bool = False
+    ) -> None:
+        """Listen on --host:port; ``direct``: serve with our socket transport (memcached, compiled)."""
         host = self.config.host
         backlog = min(4096, max(128, self.config.max_connections))
+        server: asyncio.AbstractServer | SocketServer
         try:
+            if direct:
+                socks = bind_tcp(host, port)
+                try:
+                    for sock in socks:
+                        self.servers.append(SocketServer(self.loop, sock, factory, backlog))
+                        self._note_addresses(self.servers[-1], scheme)
+                except OSError:
+                    for sock in socks:
+                        sock.close()
+                    raise
+                return
             server = await self.loop.create_server(factory, host, port, backlog=backlog, reuse_address=True)
         except OSError as exc:
             await self.close_listeners()
             reason = "address already in use" if exc.errno == errno.EADDRINUSE else (exc.strerror or str(exc))
             raise StartupError(f"cannot listen on {scheme}{host}:{port}: {reason}") from None
         self.servers.append(server)
+        self._note_addresses(server, scheme)
+
+    def _note_addresses(self, server: asyncio.AbstractServer | SocketServer, scheme: str) -> None:
         for sock in server.sockets:
             address, bound = sock.getsockname()[:2]
             self.addresses.append(scheme + (f"[{address}]:{bound}" if ":" in address else f"{address}:{bound}"))
@@ -182,22 +201,31 @@ class Daemon:
         # Sockets made for us (--workers) or passed by systemd replace the memcached listeners (--port,
         # --sock); HTTP and gRPC bind as usual unless the supervisor made their sockets too.
         if self.listeners is not None:
-            await self._serve_sockets(lambda: ConnectionHandler(self), self.listeners.memcached)
+            await self._serve_sockets(lambda: ConnectionHandler(self), self.listeners.memcached, direct=DIRECT)
             activated = True
         else:
             activated = await self._start_inherited()
         if config.port is not None and not activated:
-            await self._listen_tcp(lambda: ConnectionHandler(self), config.port)
+            await self._listen_tcp(lambda: ConnectionHandler(self), config.port, direct=DIRECT)
         if config.http_port is not None:
             await self._start_http(config.http_port)
         if config.grpc_port is not None:
             await self._start_grpc(config.grpc_port)
         if config.sock and not activated:
             prepare_unix_socket(config.sock)
+            server: asyncio.AbstractServer | SocketServer
             try:
-                server = await self.loop.create_unix_server(
-                    lambda: ConnectionHandler(self), config.sock, backlog=backlog
-                )
+                if DIRECT:
+                    sock = bind_unix(config.sock)
+                    try:
+                        server = SocketServer(self.loop, sock, lambda: ConnectionHandler(self), backlog)
+                    except OSError:
+                        sock.close()
+                        raise
+                else:
+                    server = await self.loop.create_unix_server(
+                        lambda: ConnectionHandler(self), config.sock, backlog=backlog
+                    )
             except OSError as exc:
                 await self.close_listeners()
                 raise StartupError(f"cannot listen on {config.sock}: {exc.strerror or exc}") from None
@@ -213,7 +241,7 @@ class Daemon:
             inherited = inherited_sockets()
         except ActivationError as exc:
             raise StartupError(str(exc)) from None
-        await self._serve_sockets(lambda: ConnectionHandler(self), inherited)
+        await self._serve_sockets(lambda: ConnectionHandler(self), inherited, direct=DIRECT)
         if inherited:
             log.info(
                 "serving memcached on %d socket(s) passed by systemd; --port and --sock are not used", len(inherited)
@@ -221,12 +249,20 @@ class Daemon:
         return bool(inherited)
 
     async def _serve_sockets(
-        self, factory: Callable[[], asyncio.Protocol], sockets: list[socket.socket], scheme: str = ""
+        self,
+        factory: Callable[[], asyncio.Protocol],
+        sockets: list[socket.socket],
+        scheme: str = "",
+        direct: bool = False,
     ) -> None:
-        """Serve on listening sockets made by someone else (the supervisor, or systemd)."""
+        """Serve on listening sockets made by someone else (the supervisor, or systemd); ``direct``:
+        with our socket transport (memcached, compiled)."""
         backlog = min(4096, max(128, self.config.max_connections))
         for sock in sockets:
-            if sock.family == socket.AF_UNIX:
+            server: asyncio.AbstractServer | SocketServer
+            if direct:
+                server = SocketServer(self.loop, sock, factory, backlog)
+            elif sock.family == socket.AF_UNIX:
                 # The socket file is not ours to remove (systemd's, or shared by every --workers
                 # process): since Python 3.13, asyncio and uvloop unlink it on close unless told not to.
                 keep = {"cleanup_socket": False} if sys.version_info >= (3, 13) else {}

@@ -1,0 +1,411 @@
+"""Memcached listeners served on their sockets directly: the event loop's ``add_reader`` calls the
+compiled read, and the compiled write sends, with no event-loop stream object in between.
+
+Why: with uvloop's streams every request also pays for uvloop's read callback, a context switch
+into the protocol and ``transport.write``'s bookkeeping, which measured as much as our whole
+protocol (about 0.5 us of user time per request, the "uvloop floor" of ``bench/RESULTS.md``). A
+request here is one ``recv``, the compiled ``data_received`` and one ``send``.
+
+:class:`SocketTransport` offers exactly the transport methods that
+:class:`~katsubushi_py.daemon.connection.ConnectionHandler` uses (``write``, ``close``, ``abort``,
+``pause_reading``, ``resume_reading``, ``is_closing``, ``get_extra_info``) and calls the protocol's
+``connection_made``, ``data_received``, ``eof_received``, ``pause_writing``, ``resume_writing`` and
+``connection_lost`` as asyncio does, so the connection glue is the same on either transport.
+
+Its read and write are :class:`PySocketCore` (the reference, here) or ``_speedups.SocketCore``
+(the compiled twin). The daemon serves memcached this way only when the compiled hot path runs
+(:data:`DIRECT`); without it, uvloop's own streams are faster than Python-level ``recv`` and ``send``,
+so the pure-Python daemon keeps them. HTTP always uses the loop's streams.
+
+Worst-case memory: one 256 KiB read buffer per process, plus per connection the replies the client
+has not read, bounded by the write high-water mark (reading stops above it) plus one reply.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import errno
+import logging
+import os
+import socket
+from collections import deque
+from typing import Any
+
+from ..compiled import speedups
+
+log = logging.getLogger("katsubushi_py")
+
+#: Replies queued for a client that does not read them: above HIGH_WATER the protocol is told to
+#: stop reading (``pause_writing``); below LOW_WATER it resumes. asyncio's defaults.
+HIGH_WATER = 64 * 1024
+LOW_WATER = 16 * 1024
+READ_SIZE = 256 * 1024  # one read per readiness event, uvloop's size (the C core's buffer)
+#: Unread input discarded before a close, so that the kernel ends the connection with FIN, after
+#: the last reply, rather than with a reset that can destroy it (a client that sent an overlong line).
+DRAIN_AT_CLOSE = 1024 * 1024
+#: Connections accepted per readiness event of a listener, so that a burst of connects cannot hold
+#: the loop; the rest are accepted on the next turn.
+ACCEPT_BATCH = 64
+#: accept() errors that mean "out of resources now": stop accepting for a moment, as asyncio does.
+_ACCEPT_PAUSE_ERRNOS = {errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM}
+
+
+class PySocketCore:
+    """The reference read and write of :class:`SocketTransport` (``_speedups.SocketCore`` is the
+    compiled twin: the same steps in C)."""
+
+    __slots__ = ("_closing", "_data_received", "_fd", "_pending")
+
+    _fd: int
+    _sock: socket.socket  # the subclass's
+    _pending: bool
+    _closing: bool
+    _data_received: Any
+
+    def _readable(self) -> None:
+        """The loop's reader callback: one read, handed to the protocol."""
+        if self._closing or self._data_received is None:
+            return
+        try:
+            data = self._sock.recv(READ_SIZE)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError as exc:
+            self._fatal(exc.errno or errno.EIO)
+            return
+        if data:
+            self._data_received(data)
+        else:
+            self._eof_received()
+
+    def write(self, data: bytes) -> None:
+        """Send now when nothing is queued; what the kernel does not take is queued."""
+        if self._closing:
+            return
+        if self._pending or type(data) is not bytes:
+            self._queue(data)
+            return
+        if not data:
+            return
+        try:
+            sent = self._sock.send(data)
+        except (BlockingIOError, InterruptedError):
+            sent = 0
+        except OSError as exc:
+            self._fatal(exc.errno or errno.EIO)
+            return
+        if sent < len(data):
+            self._queue(data[sent:])
+
+    # What the core calls back (implemented by SocketTransport).
+    def _queue(self, data: bytes) -> None:
+        raise NotImplementedError
+
+    def _eof_received(self) -> None:
+        raise NotImplementedError
+
+    def _fatal(self, err: int) -> None:
+        raise NotImplementedError
+
+
+#: True when memcached listeners are served with :class:`SocketTransport` (the compiled hot path runs).
+DIRECT = speedups is not None
+
+_TRANSPORT_SLOTS = (
+    "_eof",
+    "_extra",
+    "_loop",
+    "_lost",
+    "_out",
+    "_out_size",
+    "_paused_protocol",
+    "_protocol",
+    "_reading",
+    "_sock",
+    "_writing",
+)
+
+
+class _Transport:
+    """A connected, non-blocking stream socket driven by the loop's reader and writer callbacks:
+    everything but the read and the first attempt of a write, which are the core's."""
+
+    __slots__ = ()
+
+    _fd: int
+    _data_received: Any
+    _pending: bool
+    _closing: bool
+    _readable: Any
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, sock: socket.socket, protocol: asyncio.Protocol) -> None:
+        self._loop = loop
+        self._sock = sock
+        self._fd = sock.fileno()
+        self._protocol = protocol
+        self._data_received = None
+        self._pending = False
+        self._closing = False
+        self._out: deque[bytes] = deque()
+        self._out_size = 0
+        self._reading = False
+        self._writing = False
+        self._eof = False
+        self._lost = False
+        self._paused_protocol = False
+        self._extra: dict[str, Any] = {"socket": sock}
+
+    def start(self) -> None:
+        """Tell the protocol, then start reading (unless it closed the connection at once)."""
+        self._protocol.connection_made(self)
+        self._data_received = self._protocol.data_received
+        self.resume_reading()
+        if self._reading:
+            # Read at once: a client that connected and already closed (a port probe) is lost now,
+            # before the next accepted connection is counted against --max-connections; one that
+            # already sent its first request is answered without waiting for the next poll.
+            self._readable()
+
+    # -- the transport API the connection glue uses ---------------------------------------------------
+    def get_extra_info(self, name: str, default: Any = None) -> Any:
+        if name not in self._extra and name in ("peername", "sockname"):
+            try:
+                self._extra[name] = self._sock.getpeername() if name == "peername" else self._sock.getsockname()
+            except OSError:
+                return default
+        return self._extra.get(name, default)
+
+    def is_closing(self) -> bool:
+        return self._closing
+
+    def pause_reading(self) -> None:
+        if self._reading:
+            self._reading = False
+            self._loop.remove_reader(self._fd)
+
+    def resume_reading(self) -> None:
+        # Never after end of file: a socket at EOF is always readable, so its reader would spin.
+        if not self._reading and not self._closing and not self._eof:
+            self._reading = True
+            self._loop.add_reader(self._fd, self._readable)
+
+    def close(self) -> None:
+        """Stop reading; close once every queued reply is sent (then ``connection_lost(None)``)."""
+        if self._closing:
+            return
+        self.pause_reading()
+        self._closing = True
+        if not self._out:
+            self._loop.call_soon(self._connection_lost, None)
+
+    def abort(self) -> None:
+        """Close now, dropping what is queued."""
+        self.pause_reading()
+        self._closing = True
+        self._out.clear()
+        self._out_size = 0
+        self._loop.call_soon(self._connection_lost, None)
+
+    # -- what the read and write core call back --------------------------------------------------
+    def _queue(self, data: bytes) -> None:
+        if self._closing or not data:
+            return
+        self._out.append(bytes(data))
+        self._out_size += len(data)
+        self._pending = True
+        if not self._writing:
+            self._writing = True
+            self._loop.add_writer(self._fd, self._writable)
+        if self._out_size > HIGH_WATER and not self._paused_protocol:
+            self._paused_protocol = True
+            self._protocol.pause_writing()
+
+    def _writable(self) -> None:
+        out = self._out
+        while out:
+            chunk = out[0]
+            try:
+                sent = self._sock.send(chunk)
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as exc:
+                self._out.clear()
+                self._out_size = 0
+                self._fatal(exc.errno or errno.EIO)
+                return
+            self._out_size -= sent
+            if sent < len(chunk):
+                out[0] = chunk[sent:]
+                return
+            out.popleft()
+        self._writing = False
+        self._pending = False
+        self._loop.remove_writer(self._fd)
+        if self._closing:
+            self._connection_lost(None)
+            return
+        if self._paused_protocol and self._out_size <= LOW_WATER:
+            self._paused_protocol = False
+            self._protocol.resume_writing()
+
+    def _eof_received(self) -> None:
+        self.pause_reading()
+        self._eof = True
+        if not self._protocol.eof_received():
+            # Not inside a protocol callback any more, so the connection may be lost at once: a
+            # client that connected and closed stops counting against --max-connections now.
+            self._closing = True
+            if not self._out:
+                self._connection_lost(None)
+
+    def _fatal(self, err: int) -> None:
+        """The connection failed (reset by the peer, a broken pipe): close it without flushing."""
+        log.debug("connection error: %s", os.strerror(err))
+        self.abort()
+
+    def _connection_lost(self, exc: Exception | None) -> None:
+        if self._lost:
+            return
+        self._lost = True
+        self._closing = True
+        self.pause_reading()
+        if self._writing:
+            self._writing = False
+            self._loop.remove_writer(self._fd)
+        self._data_received = None
+        try:
+            self._protocol.connection_lost(exc)
+        finally:
+            drained = 0
+            with contextlib.suppress(OSError):  # BlockingIOError when nothing is left
+                while drained < DRAIN_AT_CLOSE:
+                    chunk = self._sock.recv(65536)
+                    if not chunk:
+                        break
+                    drained += len(chunk)
+            self._sock.close()
+
+
+class PySocketTransport(_Transport, PySocketCore):
+    """The transport on the reference core."""
+
+    __slots__ = _TRANSPORT_SLOTS
+
+
+if speedups is not None:
+
+    class SocketTransport(_Transport, speedups.SocketCore):  # type: ignore[misc,name-defined]
+        """The transport on the compiled core."""
+
+        __slots__ = _TRANSPORT_SLOTS
+
+else:
+    SocketTransport = PySocketTransport  # type: ignore[misc]
+
+
+class SocketServer:
+    """Accepts on one listening socket and serves each connection with a :class:`SocketTransport`.
+
+    Has the two methods of ``asyncio.Server`` the daemon uses (``close``, ``wait_closed``) and
+    ``sockets``."""
+
+    def __init__(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        sock: socket.socket,
+        protocol_factory: Any,
+        backlog: int,
+        transport: type = SocketTransport,
+    ) -> None:
+        self._loop = loop
+        self._transport = transport
+        self._sock = sock
+        self._factory = protocol_factory
+        self._tcp = sock.family in (socket.AF_INET, socket.AF_INET6)
+        self._closed = False
+        self._resume_handle: asyncio.TimerHandle | None = None
+        sock.setblocking(False)
+        sock.listen(backlog)
+        loop.add_reader(sock.fileno(), self._accept)
+
+    @property
+    def sockets(self) -> tuple[socket.socket, ...]:
+        return () if self._closed else (self._sock,)
+
+    def _accept(self) -> None:
+        for _ in range(ACCEPT_BATCH):
+            try:
+                conn, _ = self._sock.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as exc:
+                if exc.errno in _ACCEPT_PAUSE_ERRNOS:
+                    # Out of file descriptors or memory: try again in a second rather than spin.
+                    log.warning("cannot accept connections now: %s; retrying in 1s", exc.strerror or exc)
+                    self._loop.remove_reader(self._sock.fileno())
+                    self._resume_handle = self._loop.call_later(1.0, self._resume_accepting)
+                    return
+                continue  # the client gave up before we accepted (ECONNABORTED, EPROTO, ...)
+            try:
+                conn.setblocking(False)
+                if self._tcp:
+                    conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                self._transport(self._loop, conn, self._factory()).start()
+            except OSError as exc:  # the client reset the connection at once
+                log.debug("dropped a new connection: %s", exc)
+                conn.close()
+
+    def _resume_accepting(self) -> None:
+        self._resume_handle = None
+        if not self._closed:
+            self._loop.add_reader(self._sock.fileno(), self._accept)
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if self._resume_handle is not None:
+            self._resume_handle.cancel()
+        else:
+            self._loop.remove_reader(self._sock.fileno())
+        self._sock.close()
+
+    async def wait_closed(self) -> None:
+        return None
+
+
+def bind_tcp(host: str, port: int) -> list[socket.socket]:
+    """Listening-ready TCP sockets for ``host:port``, one per address the host resolves to (as
+    ``loop.create_server`` binds them: ``SO_REUSEADDR``, IPv6 sockets IPv6-only). On failure every
+    socket made so far is closed and the OSError raised."""
+    infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    made: list[socket.socket] = []
+    seen = set()
+    try:
+        for family, type_, proto, _, address in infos:
+            if (family, address) in seen:
+                continue
+            seen.add((family, address))
+            sock = socket.socket(family, type_, proto)
+            made.append(sock)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if family == socket.AF_INET6 and hasattr(socket, "IPPROTO_IPV6"):
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            sock.bind(address)
+    except OSError:
+        for sock in made:
+            sock.close()
+        raise
+    return made
+
+
+def bind_unix(path: str) -> socket.socket:
+    """A unix stream socket bound at ``path`` (which must not exist)."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.bind(path)
+    except OSError:
+        sock.close()
+        raise
+    return sock
