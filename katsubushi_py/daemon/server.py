@@ -113,7 +113,7 @@ class Daemon:
         self.loop = loop
         self.stats = Stats(self.issuer, config.max_connections, config.idle_timeout)
         self.issuer.stats_fields = self.stats.fields
-        self.issuer.settings_fields = lambda: settings_fields(config)
+        self.issuer.settings_fields = lambda: settings_fields(config, generator.state_path)
         self.connections: set[ConnectionHandler] = set()
         self.servers: list[asyncio.AbstractServer | SocketServer] = []
         self.stopping = False
