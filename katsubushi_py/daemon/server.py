@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import errno
+import ipaddress
 import logging
 import os
 import resource
@@ -22,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .. import __version__
+from ..compiled import IMPLEMENTATION, WHY_NOT_COMPILED
 from ..config import ServerConfig
 from ..issuing.errors import GenerationError
 from ..issuing.generator import Generator
@@ -37,6 +39,43 @@ log = logging.getLogger("katsubushi_py")
 
 # File descriptors the process needs besides its client connections (listeners, logs, state file).
 _SPARE_FDS = 32
+
+
+def startup_warnings(addresses: list[str]) -> list[str]:
+    """What an operator should know about how this daemon runs, logged once it listens (so that a
+    failed start stays one line): the pure-Python hot path, and listeners beyond loopback."""
+    lines = []
+    if IMPLEMENTATION != "compiled":
+        advice = (
+            "; reinstall where a C compiler and the Python headers exist (gcc, python3-dev) to build it"
+            if WHY_NOT_COMPILED.startswith("not built")
+            else ""
+        )
+        lines.append(
+            f"running the pure-Python hot path ({WHY_NOT_COMPILED}): expect about 0.6-0.75x memcached's"
+            " requests/s one key at a time instead of about 1.0x, and a fifth to a half of the compiled"
+            f" path's IDs/s with pipelined and multi-key GETs (bench/RESULTS.md){advice}"
+        )
+    exposed = [address for address in addresses if not _is_local(address)]
+    if exposed:
+        lines.append(
+            f"listening beyond loopback ({', '.join(exposed)}): the daemon has no authentication and no"
+            " encryption, so anyone who can reach these addresses can take IDs and read its stats; allow only"
+            " your applications (a firewall, a private network, a Kubernetes NetworkPolicy)"
+        )
+    return lines
+
+
+def _is_local(address: str) -> bool:
+    """A unix socket or a loopback address (``127.0.0.1:11212``, ``http://[::1]:8080``, ``grpc://...``)."""
+    address = address.split("://", 1)[-1]
+    if address.startswith(("/", "@")) or ":" not in address:
+        return True  # a unix socket (a path, or Linux's abstract namespace)
+    host = address[1 : address.index("]")] if address.startswith("[") else address.rsplit(":", 1)[0]
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
 
 
 class StartupError(RuntimeError):
@@ -389,6 +428,9 @@ async def serve(
                 state,
             )
             keeping = loop.create_task(keeper.run(generator))
+        if listeners is None:  # (the --workers supervisor says it once for all its processes)
+            for line in startup_warnings(daemon.addresses):
+                log.warning("%s", line)
         if ready is not None:
             ready(daemon)
         stopping = loop.create_task(stop.wait())

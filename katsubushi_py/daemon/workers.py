@@ -46,8 +46,8 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 from ..config import ServerConfig
-from .activation import ActivationError, inherited_sockets
-from .server import Listeners, StartupError, prepare_unix_socket
+from .activation import ActivationError, describe, inherited_sockets
+from .server import Listeners, StartupError, prepare_unix_socket, startup_warnings
 
 if TYPE_CHECKING:
     from .server import Daemon
@@ -234,6 +234,14 @@ class Supervisor:
         self._shared = shared
         self.slots = [ProcessSlot(i, child_config(config, i), per_process[i]) for i in range(count)]
 
+    def addresses(self) -> list[str]:
+        """Where the processes listen (the first one's listeners, and gRPC's)."""
+        first = self.slots[0].listeners if self.slots else Listeners()
+        found = [describe(sock) for sock in first.memcached] + [f"http://{describe(s)}" for s in first.http]
+        if self.config.grpc_port is not None:
+            found.append(f"grpc://{self.config.host}:{self.config.grpc_port}")
+        return found
+
     def close_listeners(self) -> None:
         for slot in self.slots:
             for sock in [*slot.listeners.memcached, *slot.listeners.http]:
@@ -283,6 +291,8 @@ class Supervisor:
                 len(self.slots),
                 ", ".join(str(slot.pid) for slot in self.slots),
             )
+            for line in startup_warnings(self.addresses()):
+                log.warning("%s", line)
             while not self._stopping:
                 timeout = self._next_restart_in()
                 if timeout is None:
