@@ -227,6 +227,10 @@ class LeaseKeeper:
         # so a client that saw "held" is never refused (the delay ends on the clock before the loop
         # wakes to lift the fence).
         self._open = False
+        # Stopping to issue because no renew confirmed the lease in time: one ERROR line when the
+        # deadline passes (a timer), one INFO line when a renew lets issuing resume.
+        self._expiry_timer: asyncio.TimerHandle | None = None
+        self._stopped_since = 0.0  # monotonic seconds; 0 while issuing (or not holding a lease)
 
     @property
     def recovery_wait(self) -> float:
@@ -312,6 +316,7 @@ class LeaseKeeper:
             self._logged.pop("waiting", None)  # something new to wait for: say so now
         self._waiting_for = why
         self._open = False
+        self._disarm_expiry()
         self.serving.clear()
         reason = f"{WAITING}: {why}"
         if self.generator is not None:
@@ -682,6 +687,50 @@ class LeaseKeeper:
             if now < stats.deadline_mono and not self.serving.is_set():
                 self.serving.set()
                 log.info("serving worker id %d", generator.worker_id)
+            self._arm_expiry(now)
+
+    # -- stopping and resuming at the lease's deadline -------------------------------------------
+    def _arm_expiry(self, now: float) -> None:
+        """Say once when the deadline passes without a confirmed renew, and once when issuing resumes."""
+        deadline = self.stats.deadline_mono
+        if self._stopped_since and now < deadline:
+            log.info(
+                "resumed issuing under worker id %d: a renew confirmed the lease (stopped for %.1fs)",
+                self.lease.worker_id if self.lease else -1,
+                now - self._stopped_since,
+            )
+            self._stopped_since = 0.0
+        self._disarm_expiry()
+        if deadline and not self._stopped_since:
+            self._expiry_timer = asyncio.get_running_loop().call_later(max(0.0, deadline - now), self._expired)
+
+    def _disarm_expiry(self) -> None:
+        if self._expiry_timer is not None:
+            self._expiry_timer.cancel()
+            self._expiry_timer = None
+        if self.lease is None:
+            self._stopped_since = 0.0
+
+    def _expired(self) -> None:
+        self._expiry_timer = None
+        now = time.monotonic()
+        deadline = self.stats.deadline_mono
+        if self.lease is None or self._stopping or not deadline:
+            return
+        if now < deadline:  # renewed meanwhile (the timer was early): wait for the new deadline
+            self._expiry_timer = asyncio.get_running_loop().call_later(deadline - now, self._expired)
+            return
+        self._stopped_since = now
+        wall = time.time() - (now - deadline)
+        confirmed = wall - (self.timings.ttl - self.timings.margin)
+        log.error(
+            "stopped issuing: lease on worker id %d expired at %s (no renew confirmed by %s since %s); requests"
+            " answer SERVER_ERROR until a renew succeeds",
+            self.lease.worker_id,
+            format_time(ms_to_datetime(int(wall * 1000))),
+            self.target.display,
+            format_time(ms_to_datetime(int(confirmed * 1000))),
+        )
 
     async def _maintain(self, generator: Generator) -> None:
         timings = self.timings
@@ -781,6 +830,7 @@ class LeaseKeeper:
     async def stop(self, last_ms: int) -> None:
         """Stop renewing (or waiting), then release the id with the last issued millisecond."""
         self._stopping = True
+        self._disarm_expiry()
         task = self._task
         if task is not None and task is not asyncio.current_task():
             task.cancel()
