@@ -19,10 +19,11 @@ Worker ids: consecutive from ``--worker-id`` (or from a host name ordinal times 
 :mod:`katsubushi_py.config`), or each process leases its own from Redis. State files are per worker
 id in the state directory, so each process has its own, locked while it runs.
 
-The supervisor restarts a process that dies (at once the first time, then with a growing pause if it
-keeps dying, up to 30 s), stops every process on SIGTERM or SIGINT (each drains as a single daemon
-does) and exits 0. If a process cannot start at all in the first seconds (a state file in use, say),
-the supervisor stops the others and exits 1: that is a configuration problem, not a crash.
+The supervisor restarts a process that dies (at once if it had run for 10 s; one that dies sooner
+after 0.5 s, doubling while it keeps dying that soon, up to 30 s), stops every process on SIGTERM or
+SIGINT (each drains as a single daemon does) and exits 0. If a process cannot start at all in the
+first seconds (a state file in use, say), the supervisor stops the others and exits 1: that is a
+configuration problem, not a crash.
 
 STATS: each process answers with its own fields, plus ``worker_processes``, ``worker_process`` (its
 index) and ``all_processes_*`` sums of the main counters over every process, which each process
@@ -54,8 +55,10 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("katsubushi_py")
 
-# A process that dies this soon after starting is restarted after a growing pause.
+# A process that dies this soon after starting is restarted after a pause, doubled while it keeps dying
+# that soon; one that ran longer is restarted at once. (docs/operations.md says so: keep them in step.)
 _QUICK_DEATH_S = 10.0
+_FIRST_PAUSE_S = 0.5
 _MAX_PAUSE_S = 30.0
 # A process that cannot start within this long of the supervisor's start is a configuration problem.
 _STARTUP_GRACE_S = 3.0
@@ -336,7 +339,7 @@ class Supervisor:
             how = f"exited with status {code}" if code >= 0 else f"was killed by signal {-code}"
             if code == 1 and time.monotonic() - self._started < _STARTUP_GRACE_S:
                 return f"worker process {slot.index} could not start ({how})"
-            slot.pause = 0.0 if lived >= _QUICK_DEATH_S else min(_MAX_PAUSE_S, max(0.5, slot.pause * 2))
+            slot.pause = 0.0 if lived >= _QUICK_DEATH_S else min(_MAX_PAUSE_S, max(_FIRST_PAUSE_S, slot.pause * 2))
             slot.restart_at = time.monotonic() + slot.pause
             log.error(
                 "worker process %d (pid %d, worker id %s) %s after %.1f s; restarting it%s",
