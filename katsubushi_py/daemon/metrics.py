@@ -107,6 +107,11 @@ class DaemonCollector(Collector):
         info.add_metric([issuer.version, generator.layout.describe(), str(generator.layout.epoch_ms)], 1)
         yield info
         yield GaugeMetricFamily(
+            "katsubushi_id_lifetime_end_timestamp_seconds",
+            "Unix time when the layout's time bits run out: no ID can be issued from then on",
+            value=generator.layout.lifetime_end_ms / 1000,
+        )
+        yield GaugeMetricFamily(
             "katsubushi_can_issue",
             "1 when an ID can be issued now (what /healthz answers 200 for), else 0",
             value=1 if issuer.health() is None else 0,
