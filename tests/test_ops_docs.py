@@ -182,6 +182,8 @@ def test_no_profiler_dump_is_tracked_and_such_files_are_ignored() -> None:
     assert dumps == []
     for name in filter(None, tracked):  # whatever it is called: cProfile writes a marshalled dict
         data = (ROOT / os.fsdecode(name)).read_bytes()
+        if data[:1] not in (b"{", b"\xfb"):  # marshal's dict type code (with or without its ref flag)
+            continue
         try:
             loaded = marshal.loads(data)
         except (EOFError, ValueError, TypeError):
@@ -195,3 +197,53 @@ def test_no_profiler_dump_is_tracked_and_such_files_are_ignored() -> None:
         timeout=30,
     )
     assert ignored.stdout.split() == ["p.out", "profile.prof", "run.pstats"]
+
+
+# -- the Deploy section ----------------------------------------------------------------------------
+def readme_section(title: str) -> str:
+    text = README.read_text()
+    start = text.index(f"\n## {title}\n")
+    end = text.index("\n## ", start + 1)
+    return text[start:end]
+
+
+def anchors(path: Path) -> set[str]:
+    """GitHub's anchors for the headings of a Markdown file."""
+    found = set()
+    for line in path.read_text().splitlines():
+        if line.startswith("#"):
+            title = line.lstrip("#").strip().lower()
+            found.add(re.sub(r"[^\w\- ]", "", title).replace(" ", "-"))
+    return found
+
+
+def test_the_deploy_section_links_what_exists() -> None:
+    section = readme_section("Deploy")
+    for needed in (
+        "deploy/kubernetes/statefulset.yaml",
+        "deploy/kubernetes/redis-leasing.yaml",
+        "contrib/prometheus/katsubushi-alerts.yaml",
+        "contrib/prometheus/katsubushi-alerts.test.yaml",
+        "contrib/grafana/katsubushi-dashboard.json",
+        "docker build -t katsubushi-py .",
+    ):
+        assert needed in section, needed
+    for path in re.findall(r"\b((?:deploy|contrib)/[\w./-]+\.\w+)", section):
+        assert (ROOT / path).is_file(), path
+    for target in re.findall(r"\]\(([^)]+)\)", section):
+        file, _, anchor = target.partition("#")
+        assert (ROOT / file).is_file(), target
+        if anchor:
+            assert anchor in anchors(ROOT / file), target
+
+
+def test_the_dashboard_import_command_posts_the_dashboard(tmp_path: Path) -> None:
+    """The README's curl line, run by a shell with ``curl`` a function that prints its -d argument:
+    Grafana's import API gets {"dashboard": <the JSON file>, "overwrite": true}."""
+    [command] = [line for line in readme_section("Deploy").splitlines() if "api/dashboards/db" in line]
+    command = command.split("`", 2)[1]
+    script = 'curl() { while [ $# -gt 0 ]; do [ "$1" = -d ] && printf "%s" "$2"; shift; done; }\n' + command + "\n"
+    result = subprocess.run(["bash", "-c", script], capture_output=True, text=True, cwd=ROOT, timeout=30)
+    body = json.loads(result.stdout)
+    dashboard = json.loads((ROOT / "contrib" / "grafana" / "katsubushi-dashboard.json").read_text())
+    assert body == {"dashboard": dashboard, "overwrite": True}
