@@ -398,7 +398,11 @@ async def serve(
                 claim_state=claim_state,
                 on_change=lease_changed,
             )
-            issuer.unavailable = "waiting for a worker id lease"
+            # What the keeper's first step says, said already: a client that connects as soon as the
+            # port listens may be answered before that step runs.
+            waiting = f"waiting for a worker id lease: connecting to Redis at {lease.target.display}"
+            generator.set_fence(0, waiting)
+            issuer.unavailable = waiting
             daemon.stats.extra = keeper.stat_fields
         raise_fd_limit(config.max_connections + _SPARE_FDS)
         await daemon.start()
@@ -406,6 +410,9 @@ async def serve(
         flavour = type(loop).__module__.split(".")[0]
         # Where the state is kept goes into this line, after the listeners are up: a failed start stays one line.
         source = f" ({config.state_dir_source})" if config.state_dir_source else ""
+        if listeners is None:  # (the --workers supervisor says it once for all its processes)
+            for line in startup_warnings(daemon.addresses):
+                log.warning("%s", line)
         if keeper is None:
             state = f"state file {generator.state_path}{source}" if generator.state_path else "no state file"
             log.info(
@@ -428,9 +435,6 @@ async def serve(
                 state,
             )
             keeping = loop.create_task(keeper.run(generator))
-        if listeners is None:  # (the --workers supervisor says it once for all its processes)
-            for line in startup_warnings(daemon.addresses):
-                log.warning("%s", line)
         if ready is not None:
             ready(daemon)
         stopping = loop.create_task(stop.wait())
