@@ -177,6 +177,12 @@ def prometheus(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Running]:
                 return set(found) if {"katsubushi_requests_total", "katsubushi_lease_state"} <= set(found) else None
 
             names = wait_for("the daemon's series", scraped)
+
+            def both_scraped() -> bool:
+                up = api(base, "/api/v1/query", query='up{job="katsubushi"}')["data"]["result"]
+                return len(up) == 2
+
+            wait_for("a scrape of each target", both_scraped)
             yield Running(base, f"127.0.0.1:{http}", f"127.0.0.1:{dead}", names)
         finally:
             proc.terminate()
