@@ -410,9 +410,6 @@ async def serve(
         flavour = type(loop).__module__.split(".")[0]
         # Where the state is kept goes into this line, after the listeners are up: a failed start stays one line.
         source = f" ({config.state_dir_source})" if config.state_dir_source else ""
-        if listeners is None:  # (the --workers supervisor says it once for all its processes)
-            for line in startup_warnings(daemon.addresses):
-                log.warning("%s", line)
         if keeper is None:
             state = f"state file {generator.state_path}{source}" if generator.state_path else "no state file"
             log.info(
@@ -435,6 +432,9 @@ async def serve(
                 state,
             )
             keeping = loop.create_task(keeper.run(generator))
+        if listeners is None:  # (the --workers supervisor says it once for all its processes)
+            for line in startup_warnings(daemon.addresses):
+                log.warning("%s", line)
         if ready is not None:
             ready(daemon)
         stopping = loop.create_task(stop.wait())
