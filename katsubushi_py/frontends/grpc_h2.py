@@ -245,7 +245,8 @@ class PyGrpcCore:
         self._fast = False
         self._cache_keys: list[bytes] = []
         self._cache_codes: list[int] = []
-        self._pending: list[tuple[int, int, bytes]] = []  # (stream id, method, header block)
+        # Calls started: [stream id, method, header block, bytes the client added to the stream's window].
+        self._pending: list[list[Any]] = []
         self._last_stream = 0
         self._out_window = self._peer_window = self._in_window = 65535
         self._debt = 0
@@ -272,10 +273,15 @@ class PyGrpcCore:
         return len(self._cache_keys)
 
     def _pending_frames(self) -> bytes:
-        """The HEADERS frames of the calls the fast path started, for the slow path; forgets them."""
-        out = b"".join(frame(HEADERS, END_HEADERS, sid, block) for sid, _, block in self._pending)
+        """The frames of the calls the fast path started, for the slow path: each one's HEADERS and,
+        if the client opened its window, one WINDOW_UPDATE with the sum. Forgets them."""
+        out = []
+        for sid, _, block, opened in self._pending:
+            out.append(frame(HEADERS, END_HEADERS, sid, block))
+            if opened:
+                out.append(frame(WINDOW_UPDATE, 0, sid, opened.to_bytes(4, "big")))
         self._pending.clear()
-        return out
+        return b"".join(out)
 
     def _receive_slow(self, data: bytes) -> bytes:
         raise NotImplementedError
@@ -316,7 +322,7 @@ class PyGrpcCore:
                 except ValueError:
                     give_up = True
                     break
-                pending.append((sid, self._cache_codes[at], self._cache_keys[at]))
+                pending.append([sid, self._cache_codes[at], self._cache_keys[at], 0])
             elif kind == DATA:
                 if flags != END_STREAM or not pending or pending[0][0] != sid or length < 5 or buf[pos + 9]:
                     give_up = True
@@ -347,7 +353,7 @@ class PyGrpcCore:
                         break
                 # The reply's most bytes: prefix, tag, length, ten bytes an ID.
                 bound = 5 + 3 + 10 * count
-                if bound > self._out_window or bound > self._peer_window:
+                if bound > self._out_window or bound > self._peer_window + pending[0][3]:
                     give_up = True
                     break
                 try:
@@ -369,12 +375,30 @@ class PyGrpcCore:
                 out.append(_reply_frames(sid, message))
                 calls += 1
                 issued += count
-            elif kind == WINDOW_UPDATE and sid == 0 and length == 4:
+            elif kind == WINDOW_UPDATE and length == 4:
                 increment = int.from_bytes(buf[pos + 9 : end], "big") & 0x7FFFFFFF
-                if not increment or self._out_window + increment > 0x7FFFFFFF:
+                if not increment:
                     give_up = True
                     break
-                self._out_window += increment
+                if sid == 0:
+                    if self._out_window + increment > 0x7FFFFFFF:
+                        give_up = True
+                        break
+                    self._out_window += increment
+                elif pending and pending[0][0] <= sid <= pending[-1][0]:  # grpcio opens each call's window
+                    for call in pending:
+                        if call[0] == sid:
+                            break
+                    else:
+                        give_up = True
+                        break
+                    if self._peer_window + call[3] + increment > 0x7FFFFFFF:
+                        give_up = True
+                        break
+                    call[3] += increment
+                elif not (sid & 1 and sid <= self._last_stream):  # a closed stream's is ignored, as h2 does
+                    give_up = True
+                    break
             else:
                 give_up = True
                 break
