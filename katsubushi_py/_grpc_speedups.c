@@ -465,13 +465,13 @@ get_be(const unsigned char *p, int n)
     return v;
 }
 
-/* receive(data): the fast path while it can, then the slow path with the rest. */
+/* One run of the fast path over _buffer and data (PyGrpcCore._fast_pass); *slow says whether the
+ * slow path ran. */
 static PyObject *
-GrpcCore_receive(GrpcCore *self, PyObject *data)
+fast_pass(GrpcCore *self, PyObject *data, int *slow)
 {
-    if (!self->fast)
-        return PyObject_CallMethodOneArg((PyObject *)self, str_receive_slow, data);
     PyObject *buf;
+    *slow = 0;
     if (!PyBytes_Check(data)) {
         buf = PyBytes_FromObject(data);
         if (buf == NULL)
@@ -670,26 +670,27 @@ GrpcCore_receive(GrpcCore *self, PyObject *data)
         }
         if (rest == NULL)
             goto error;
-        PyObject *slow = PyObject_CallMethodOneArg((PyObject *)self, str_receive_slow, rest);
+        *slow = 1;
+        PyObject *part = PyObject_CallMethodOneArg((PyObject *)self, str_receive_slow, rest);
         Py_DECREF(rest);
-        if (slow == NULL)
+        if (part == NULL)
             goto error;
-        if (!PyBytes_Check(slow)) {
-            Py_DECREF(slow);
+        if (!PyBytes_Check(part)) {
+            Py_DECREF(part);
             PyErr_SetString(PyExc_TypeError, "_receive_slow must return bytes");
             goto error;
         }
         if (o.len == 0) {
-            result = slow;
+            result = part;
             goto done;
         }
-        if (out_reserve(&o, PyBytes_GET_SIZE(slow)) < 0) {
-            Py_DECREF(slow);
+        if (out_reserve(&o, PyBytes_GET_SIZE(part)) < 0) {
+            Py_DECREF(part);
             goto error;
         }
-        memcpy(o.p + o.len, PyBytes_AS_STRING(slow), PyBytes_GET_SIZE(slow));
-        o.len += PyBytes_GET_SIZE(slow);
-        Py_DECREF(slow);
+        memcpy(o.p + o.len, PyBytes_AS_STRING(part), PyBytes_GET_SIZE(part));
+        o.len += PyBytes_GET_SIZE(part);
+        Py_DECREF(part);
         result = PyBytes_FromStringAndSize((const char *)o.p, o.len);
     }
 done:
@@ -699,6 +700,65 @@ done:
 error:
     PyMem_Free(o.p);
     Py_DECREF(buf);
+    return NULL;
+}
+
+/* receive(data): the fast path while it can, the slow path with the rest; and the fast path again
+ * if the slow path stopped early, in steady state, leaving frames in _buffer (PyGrpcCore.receive). */
+static PyObject *
+GrpcCore_receive(GrpcCore *self, PyObject *data)
+{
+    PyObject *first = NULL;
+    Out acc = {NULL, 0, 0};
+    Py_INCREF(data);
+    for (;;) {
+        PyObject *part;
+        int slow = 1;
+        if (!self->fast)
+            part = PyObject_CallMethodOneArg((PyObject *)self, str_receive_slow, data);
+        else
+            part = fast_pass(self, data, &slow);
+        Py_DECREF(data);
+        if (part == NULL)
+            goto error;
+        if (!PyBytes_Check(part)) {
+            Py_DECREF(part);
+            PyErr_SetString(PyExc_TypeError, "_receive_slow must return bytes");
+            goto error;
+        }
+        if (first == NULL && acc.len == 0) {
+            first = part;
+        } else {
+            if (first != NULL) {
+                if (out_reserve(&acc, PyBytes_GET_SIZE(first)) < 0) {
+                    Py_DECREF(part);
+                    goto error;
+                }
+                memcpy(acc.p + acc.len, PyBytes_AS_STRING(first), PyBytes_GET_SIZE(first));
+                acc.len += PyBytes_GET_SIZE(first);
+                Py_CLEAR(first);
+            }
+            if (out_reserve(&acc, PyBytes_GET_SIZE(part)) < 0) {
+                Py_DECREF(part);
+                goto error;
+            }
+            memcpy(acc.p + acc.len, PyBytes_AS_STRING(part), PyBytes_GET_SIZE(part));
+            acc.len += PyBytes_GET_SIZE(part);
+            Py_DECREF(part);
+        }
+        if (!slow || !self->fast || PyBytes_GET_SIZE(self->buffer) < 9)
+            break;
+        Py_INCREF(empty_bytes);
+        data = empty_bytes;
+    }
+    if (first != NULL)
+        return first;
+    PyObject *result = PyBytes_FromStringAndSize((const char *)acc.p, acc.len);
+    PyMem_Free(acc.p);
+    return result;
+error:
+    Py_XDECREF(first);
+    PyMem_Free(acc.p);
     return NULL;
 }
 

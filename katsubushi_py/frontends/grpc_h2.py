@@ -287,9 +287,24 @@ class PyGrpcCore:
         raise NotImplementedError
 
     def receive(self, data: bytes) -> bytes:
-        """Answer what arrived: the fast path while it can, then the slow path with the rest."""
-        if not self._fast:
-            return self._receive_slow(data)
+        """Answer what arrived: the fast path while it can, the slow path with the rest; and the fast
+        path again if the slow path stopped early, in steady state, leaving frames in ``_buffer``."""
+        out: list[bytes] = []
+        while True:
+            if not self._fast:
+                out.append(self._receive_slow(data))
+            else:
+                part, slow = self._fast_pass(data)
+                out.append(part)
+                if not slow:
+                    break
+            if not self._fast or len(self._buffer) < 9:
+                break
+            data = b""
+        return out[0] if len(out) == 1 else b"".join(out)
+
+    def _fast_pass(self, data: bytes) -> tuple[bytes, bool]:
+        """One run of the fast path over ``_buffer`` and data; (output, whether the slow path ran)."""
         buf = self._buffer + data if self._buffer else data
         self._buffer = b""
         n = len(buf)
@@ -411,10 +426,10 @@ class PyGrpcCore:
         if not give_up:
             if pos < n:
                 self._buffer = buf[pos:]
-            return b"".join(out)
+            return b"".join(out), False
         rest = self._pending_frames() + buf[pos:] if pending else buf[pos:]
         out.append(self._receive_slow(rest))
-        return b"".join(out)
+        return b"".join(out), True
 
 
 if TYPE_CHECKING:
@@ -559,7 +574,10 @@ class GrpcConnection(GrpcCore):
                 self._process(data, out)
         except ProtocolError as exc:
             self._broken(exc)
-        return self._finish(out)
+        reply = self._finish(out)
+        if self._fast and len(self._buffer) >= 9:  # the slow path stopped early: the rest is the fast path's
+            reply += self.receive(b"")
+        return reply
 
     def goodbye(self) -> bytes:
         """A GOAWAY (NO_ERROR) naming the last stream served, before the connection closes."""
@@ -594,18 +612,23 @@ class GrpcConnection(GrpcCore):
         self._in_window = h2.inbound_flow_control_window
         if self._draining and not self._calls and not self._waiting:
             self.closing = True
-        self._fast = (
-            self._fast_ok
-            and self._started
+        self._fast = self._fast_ok and not self._calls and self._steady()
+        return b"".join(out)
+
+    def _steady(self) -> bool:
+        """No call open or waiting, nothing held, and h2's encoder owes the client nothing: the state
+        the fast path serves (given no open call in ``_calls``)."""
+        h2 = self._h2
+        return (
+            self._started
             and not self.closing
             and not self.wait
-            and not self._calls
             and not self._waiting
             and not self._held
+            and not self._draining
             and not h2.encoder.table_size_changes
             and h2.open_inbound_streams == 0
         )
-        return b"".join(out)
 
     def _broken(self, exc: ProtocolError) -> None:
         """h2 found a connection error and queued its GOAWAY: close once it is written."""
@@ -653,6 +676,9 @@ class GrpcConnection(GrpcCore):
                 pos = end
                 if self.wait:
                     self._held = buf[pos:] + self._held
+                    return
+                if self._fast_ok and not self._calls and n - pos >= 9 and self._steady():
+                    self._buffer = buf[pos:]  # steady again: the caller hands the rest to the fast path
                     return
             if not self.closing:
                 self._buffer = buf[pos:]
@@ -920,5 +946,6 @@ class GrpcConnection(GrpcCore):
         h2 = self._h2
         h2.send_headers(call.sid, trailers, end_stream=True)
         self._calls.pop(call.sid, None)
-        if not call.ended:  # answered before the client finished sending: tell it to stop
+        stream = h2.streams.get(call.sid)
+        if stream is not None and not stream.closed:  # answered before the client finished sending: stop it
             h2.reset_stream(call.sid, ErrorCodes.NO_ERROR)
