@@ -234,7 +234,7 @@ def main() -> None:
                     row = run_h2load(h2load, subject, sc, args.seconds, bodies[sc.name])
                     results[sc.name][subject.name].append(row)
                     rate, cpu = row["calls_per_s"], row["cpu_us_per_call"]
-                    user, kernel = row["user_us_per_call"], row["sys_us_per_call"]
+                    user = row["user_us_per_call"]
                     log(f"run {run + 1} {sc.name} {subject.name}: {rate:,.0f}/s, {cpu:.1f} us CPU ({user:.1f} user)")
     finally:
         for subject in subjects:

@@ -77,7 +77,7 @@ def status(client: Client, sid: int) -> tuple[bytes | None, bytes | None, bytes 
 def test_fast_and_slow_paths_agree_on_random_conversations(seed: int) -> None:
     pairs = [connect(fast=True)[:2], connect(fast=False)[:2]]
     for step in script(seed):
-        for server, client in pairs:
+        for _server, client in pairs:
             play_step(client, step)
         sent = [client.pending() for _, client in pairs]
         assert sent[0] == sent[1], f"the clients diverged before {step}"
