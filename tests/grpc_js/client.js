@@ -5,7 +5,7 @@ const grpc = require("@grpc/grpc-js");
 const loader = require("@grpc/proto-loader");
 
 const [target, protoFile] = process.argv.slice(2);
-const definition = loader.loadSync(protoFile, { longs: String, defaults: true });
+const definition = loader.loadSync(protoFile, { keepCase: true, longs: String, defaults: true });
 const katsubushi = grpc.loadPackageDefinition(definition).katsubushi;
 const generator = new katsubushi.Generator(target, grpc.credentials.createInsecure());
 const stats = new katsubushi.Stats(target, grpc.credentials.createInsecure());
