@@ -53,8 +53,9 @@ static const unsigned char TRAILERS_BLOCK[15] = {0x00, 0x0b, 'g', 'r', 'p', 'c',
 typedef struct {
     long long sid;
     int method;
-    PyObject *block;  /* the header block (a cache key; a strong reference) */
+    PyObject *block;  /* the header block (a strong reference) */
     long long opened; /* what the client added to the stream's window */
+    long long length; /* the request's content-length, -1 if none: its DATA must match */
 } Pending;
 
 typedef struct {
@@ -65,10 +66,11 @@ typedef struct {
     PyObject *counters;
     PyObject *cache_keys[CACHE_SIZE];
     int cache_codes[CACHE_SIZE];
+    long long cache_lengths[CACHE_SIZE];
     int cache_len;
     Pending pending[MAX_STREAMS];
     int npending;
-    long long last_stream, out_window, peer_window, in_window, debt, activity;
+    long long last_stream, out_window, peer_window, in_window, debt, activity, handed;
     double wait;
     char fast, closing;
 } GrpcCore;
@@ -277,6 +279,7 @@ GrpcCore_core_init(GrpcCore *self, PyObject *const *args, Py_ssize_t nargs)
     self->last_stream = 0;
     self->out_window = self->peer_window = self->in_window = 65535;
     self->debt = 0;
+    self->handed = 0;
     self->activity = 0;
     self->closing = 0;
     self->wait = 0.0;
@@ -286,12 +289,15 @@ GrpcCore_core_init(GrpcCore *self, PyObject *const *args, Py_ssize_t nargs)
 static PyObject *
 GrpcCore_cache_add(GrpcCore *self, PyObject *const *args, Py_ssize_t nargs)
 {
-    if (nargs != 2 || !PyBytes_Check(args[0])) {
-        PyErr_SetString(PyExc_TypeError, "_cache_add(block: bytes, method: int)");
+    if (nargs != 3 || !PyBytes_Check(args[0])) {
+        PyErr_SetString(PyExc_TypeError, "_cache_add(block: bytes, method: int, length: int)");
         return NULL;
     }
     long method = PyLong_AsLong(args[1]);
     if (method == -1 && PyErr_Occurred())
+        return NULL;
+    long long length = PyLong_AsLongLong(args[2]);
+    if (length == -1 && PyErr_Occurred())
         return NULL;
     if (cache_find(self, PyBytes_AS_STRING(args[0]), PyBytes_GET_SIZE(args[0])) >= 0)
         Py_RETURN_NONE;
@@ -300,7 +306,35 @@ GrpcCore_cache_add(GrpcCore *self, PyObject *const *args, Py_ssize_t nargs)
     Py_INCREF(args[0]);
     self->cache_keys[self->cache_len] = args[0];
     self->cache_codes[self->cache_len] = (int)method;
+    self->cache_lengths[self->cache_len] = length;
     self->cache_len++;
+    Py_RETURN_NONE;
+}
+
+/* _pending_add(stream_id, method, block, length): a call whose headers the slow path decoded. */
+static PyObject *
+GrpcCore_pending_add(GrpcCore *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 4 || !PyBytes_Check(args[2])) {
+        PyErr_SetString(PyExc_TypeError, "_pending_add(stream_id: int, method: int, block: bytes, length: int)");
+        return NULL;
+    }
+    long long sid = PyLong_AsLongLong(args[0]);
+    long method = PyLong_AsLong(args[1]);
+    long long length = PyLong_AsLongLong(args[3]);
+    if (PyErr_Occurred())
+        return NULL;
+    if (self->npending >= MAX_STREAMS) {
+        PyErr_SetString(PyExc_OverflowError, "too many calls pending");
+        return NULL;
+    }
+    Pending *c = &self->pending[self->npending++];
+    c->sid = sid;
+    c->method = (int)method;
+    Py_INCREF(args[2]);
+    c->block = args[2];
+    c->opened = 0;
+    c->length = length;
     Py_RETURN_NONE;
 }
 
@@ -540,13 +574,15 @@ fast_pass(GrpcCore *self, PyObject *data, int *slow)
             Py_INCREF(self->cache_keys[at]);
             c->block = self->cache_keys[at];
             c->opened = 0;
+            c->length = self->cache_lengths[at];
         } else if (kind == T_DATA) {
             if (flags != F_END_STREAM || !self->npending || self->pending[0].sid != sid || length < 5 || payload[0]) {
                 give_up = 1;
                 break;
             }
             Py_ssize_t size = (Py_ssize_t)get_be(payload + 1, 4);
-            if (size != length - 5 || self->debt + length > self->in_window) {
+            if (size != length - 5 || self->debt + length > self->in_window ||
+                (self->pending[0].length != -1 && self->pending[0].length != length)) {
                 give_up = 1;
                 break;
             }
@@ -656,6 +692,7 @@ fast_pass(GrpcCore *self, PyObject *data, int *slow)
     {
         PyObject *rest;
         if (self->npending) {
+            self->handed = self->pending[self->npending - 1].sid;
             Out h = {NULL, 0, 0};
             if (pending_frames(self, &h) < 0 || out_reserve(&h, n - pos) < 0) {
                 PyMem_Free(h.p);
@@ -786,6 +823,7 @@ static PyMethodDef GrpcCore_methods[] = {
     {"_core_init", (PyCFunction)(void (*)(void))GrpcCore_core_init, METH_FASTCALL, NULL},
     {"_cache_add", (PyCFunction)(void (*)(void))GrpcCore_cache_add, METH_FASTCALL, NULL},
     {"_cache_clear", (PyCFunction)GrpcCore_cache_clear, METH_NOARGS, NULL},
+    {"_pending_add", (PyCFunction)(void (*)(void))GrpcCore_pending_add, METH_FASTCALL, NULL},
     {"_cache_len", (PyCFunction)GrpcCore_cache_len, METH_NOARGS, NULL},
     {"_pending_frames", (PyCFunction)GrpcCore_pending_frames, METH_NOARGS, NULL},
     {NULL},
@@ -798,6 +836,7 @@ static PyMemberDef GrpcCore_members[] = {
     {"_peer_window", T_LONGLONG, offsetof(GrpcCore, peer_window), 0, NULL},
     {"_in_window", T_LONGLONG, offsetof(GrpcCore, in_window), 0, NULL},
     {"_debt", T_LONGLONG, offsetof(GrpcCore, debt), 0, NULL},
+    {"_handed", T_LONGLONG, offsetof(GrpcCore, handed), 0, NULL},
     {"activity", T_LONGLONG, offsetof(GrpcCore, activity), 0, NULL},
     {"closing", T_BOOL, offsetof(GrpcCore, closing), 0, NULL},
     {"wait", T_DOUBLE, offsetof(GrpcCore, wait), 0, NULL},

@@ -129,10 +129,15 @@ class Client:
     """An HTTP/2 client (h2) that records each stream's reply and acknowledges what it reads."""
 
     def __init__(self) -> None:
-        self.h2 = H2Connection(H2Configuration(client_side=True, header_encoding=None))
+        # No outbound validation: the tests also send headers h2 would not let a client send.
+        config = H2Configuration(
+            client_side=True, header_encoding=None, validate_outbound_headers=False, normalize_outbound_headers=False
+        )
+        self.h2 = H2Connection(config)
         self.h2.initiate_connection()
         self.replies: dict[int, Reply] = {}
         self.goaway: ConnectionTerminated | None = None
+        self.timeout = 4_999_000  # grpc-timeout in microseconds, a new one for each grpc-go call
 
     def open(self, path: bytes = FETCH, headers: list | None = None, end: bool = False) -> int:
         sid = self.h2.get_next_available_stream_id()
@@ -186,11 +191,23 @@ def script(seed: int, steps: int = 40) -> list[tuple]:
     out: list[tuple] = []
     for _ in range(steps):
         kind = rng.choices(
-            ["nghttp2", "grpc-js", "grpcio", "multi", "stats", "ping", "window", "settings", "bad", "reflect"],
-            weights=[8, 6, 6, 6, 1, 2, 2, 1, 2, 1],
+            [
+                "nghttp2",
+                "grpc-js",
+                "grpcio",
+                "grpc-go",
+                "multi",
+                "stats",
+                "ping",
+                "window",
+                "settings",
+                "bad",
+                "reflect",
+            ],
+            weights=[8, 6, 6, 6, 6, 1, 2, 2, 1, 2, 1],
         )[0]
         cut = rng.choice([0, 0, 1, 7, 9, 13, 40, 1000])  # feed the step's bytes in pieces of this size (0: whole)
-        if kind in ("nghttp2", "grpc-js", "grpcio"):
+        if kind in ("nghttp2", "grpc-js", "grpcio", "grpc-go"):
             out.append((kind, rng.choice([1, 1, 2, 8, 20]), cut))
         elif kind == "multi":
             n = rng.choice([0, 1, 2, 100, 127, 128, 999, 1000, 1001, 70000])
@@ -229,6 +246,10 @@ def play_step(client: Client, step: tuple) -> list[int]:
     elif kind == "grpc-js":  # HEADERS and DATA per call
         for _ in range(step[1]):
             opened.append(client.call(FETCH))
+    elif kind == "grpc-go":  # a new grpc-timeout every call, which h2's encoder (as Go's) adds to the table
+        for _ in range(step[1]):
+            client.timeout += 1
+            opened.append(client.call(FETCH, headers=grpc_headers(FETCH, grpc_timeout=b"%du" % client.timeout)))
     elif kind == "grpcio":  # HEADERS, a WINDOW_UPDATE for the reply, DATA; then one for the connection
         for _ in range(step[1]):
             sid = client.open(FETCH)

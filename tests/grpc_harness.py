@@ -29,6 +29,7 @@ def state(server) -> list[object]:
         server._peer_window,
         server._in_window,
         server._debt,
+        server._handed,
         server._cache_len(),
         server._buffer.hex(),
         server.activity,

@@ -16,13 +16,21 @@ conversations through both and compares what a client decodes):
 
 Recognising a header block without decoding it: an HPACK block that has only indexed fields and
 literals *without indexing* (or never indexed) leaves the dynamic table as it was, so while no other
-kind of block is decoded, the same bytes always mean the same headers. The slow path remembers such
-blocks once h2 decoded them into a fast call (:meth:`PyGrpcCore._cache_add`) and forgets them all
-before h2 decodes any other block (:meth:`PyGrpcCore._cache_clear`). h2load's and grpcio's blocks
-after the first are of that kind (indexed fields plus an unindexed ``:path``). The fast path's reply
-blocks use the static table and literals without indexing only, so they never touch the dynamic
-table of h2's encoder either; while the client has asked for a smaller table and h2's encoder owes it
-a size update, the fast path stays off.
+kind of block is decoded, the same bytes always mean the same headers. h2load's, grpcio's and
+grpc-js's blocks after the first are of that kind (indexed fields, an unindexed ``:path``).
+
+A block the fast path does not recognise goes to the slow path, which, in steady state, decodes it
+itself with h2's own decoder (HPACK stays in step; h2's errors) and, if it is a plain ``Fetch`` or
+``FetchMulti`` (:func:`_plain_call`, deliberately narrower than h2's rules), gives the call to the fast
+path (:meth:`PyGrpcCore._pending_add`) and remembers the block if it is table-neutral
+(:meth:`PyGrpcCore._cache_add`); any other block makes it forget them all
+(:meth:`PyGrpcCore._cache_clear`). So grpc-go, which adds every new ``grpc-timeout`` value to the
+table, costs a decode per call but no h2 stream. When h2 must see such a call after all (the fast
+path hands over), it gets a block of the same headers as literals without indexing
+(:func:`literal_block`), which leaves the table alone. The fast path's reply blocks use the static
+table and literals without indexing only, so they never touch the dynamic table of h2's encoder
+either; while the client has asked for a smaller table and h2's encoder owes it a size update, the
+fast path stays off.
 
 State the paths share, handed over at each switch: the highest stream id (h2's
 ``highest_inbound_stream_id``), the connection's outbound window (h2's ``outbound_flow_control_window``),
@@ -45,6 +53,7 @@ read stop the reading of its requests (the connection glue's flow control).
 from __future__ import annotations
 
 import logging
+import re
 import time
 from collections import deque
 from typing import TYPE_CHECKING, Any
@@ -183,6 +192,87 @@ def _skip_string(block: bytes, i: int) -> int:
     return start + length
 
 
+def _hpack_int(value: int, prefix: int, first: int) -> bytes:
+    """An HPACK integer with a ``prefix``-bit prefix; ``first`` holds the first byte's other bits."""
+    mask = (1 << prefix) - 1
+    if value < mask:
+        return bytes((first | value,))
+    out = bytearray((first | mask,))
+    value -= mask
+    while value >= 0x80:
+        out.append((value & 0x7F) | 0x80)
+        value >>= 7
+    out.append(value)
+    return bytes(out)
+
+
+def literal_block(headers: list[tuple[bytes, bytes]]) -> bytes:
+    """An HPACK block of these headers as literals without indexing (new names, no Huffman): it
+    decodes to them whatever the dynamic table holds, and changes nothing in it."""
+    return b"".join(
+        b"\x00" + _hpack_int(len(name), 7, 0) + name + _hpack_int(len(value), 7, 0) + value for name, value in headers
+    )
+
+
+_TOKEN = re.compile(rb"[a-z0-9!#$%&'*+\-.^_`|~]+")
+_PSEUDO = (b":method", b":scheme", b":path", b":authority")
+_NOT_PLAIN = (b"connection", b"keep-alive", b"proxy-connection", b"transfer-encoding", b"upgrade", b"host", b"cookie")
+
+
+def _plain_call(headers: list[tuple[bytes, bytes]]) -> tuple[int, int]:
+    """(method, content-length or -1) if these request headers are a Fetch or FetchMulti that h2
+    accepts and the slow path would serve like any other; (0, -1) for anything else (which h2 then
+    judges). Deliberately narrower than h2's rules: a doubt is the slow path's."""
+    seen: set[bytes] = set()
+    regular = False
+    method = scheme = path = ctype = None
+    length = -1
+    for name, value in headers:
+        if value and (
+            value[0] in (0x20, 0x09) or value[-1] in (0x20, 0x09) or b"\r" in value or b"\n" in value or b"\0" in value
+        ):
+            return 0, -1
+        if name[:1] == b":":
+            if regular or name in seen or name not in _PSEUDO:
+                return 0, -1
+            seen.add(name)
+            if name == b":method":
+                method = value
+            elif name == b":scheme":
+                scheme = value
+            elif name == b":path":
+                path = value
+            continue
+        regular = True
+        if not _TOKEN.fullmatch(name) or name in _NOT_PLAIN:
+            return 0, -1
+        if name in (b"content-type", b"content-length", b"grpc-encoding", b"grpc-timeout", b"te"):
+            if name in seen:
+                return 0, -1
+            seen.add(name)
+        if name == b"content-type":
+            ctype = value
+        elif name == b"te":
+            if value != b"trailers":
+                return 0, -1
+        elif name == b"grpc-encoding":
+            if value != b"identity":
+                return 0, -1
+        elif name == b"grpc-timeout":
+            if not _valid_timeout(value):
+                return 0, -1
+        elif name == b"content-length":
+            if not value.isdigit() or len(value) > 9:
+                return 0, -1
+            length = int(value)
+    if method != b"POST" or not scheme or ctype is None:
+        return 0, -1
+    if not (ctype == b"application/grpc" or ctype.startswith((b"application/grpc+", b"application/grpc;"))):
+        return 0, -1
+    code = svc.METHODS.get(path or b"", 0)
+    return (code, length) if code in (svc.FETCH, svc.FETCH_MULTI) else (0, -1)
+
+
 def _reply_frames(stream_id: int, message: bytes) -> bytes:
     """The fast path's three frames for one successful call."""
     sid = stream_id.to_bytes(4, "big")
@@ -214,9 +304,11 @@ class PyGrpcCore:
         "_buffer",
         "_cache_codes",
         "_cache_keys",
+        "_cache_lengths",
         "_counters",
         "_debt",
         "_fast",
+        "_handed",
         "_in_window",
         "_last_stream",
         "_next_id",
@@ -236,6 +328,7 @@ class PyGrpcCore:
     _peer_window: int
     _in_window: int
     _debt: int
+    _handed: int
     activity: int
     closing: bool
     wait: float
@@ -245,8 +338,11 @@ class PyGrpcCore:
         self._fast = False
         self._cache_keys: list[bytes] = []
         self._cache_codes: list[int] = []
-        # Calls started: [stream id, method, header block, bytes the client added to the stream's window].
+        self._cache_lengths: list[int] = []  # the block's content-length (-1: none), which DATA must match
+        # Calls started: [stream id, method, header block, bytes the client added to the stream's window,
+        # content-length or -1].
         self._pending: list[list[Any]] = []
+        self._handed = 0  # the last stream id handed over to the slow path
         self._last_stream = 0
         self._out_window = self._peer_window = self._in_window = 65535
         self._debt = 0
@@ -257,17 +353,25 @@ class PyGrpcCore:
         self.closing = False
         self.wait = 0.0
 
-    def _cache_add(self, block: bytes, method: int) -> None:
+    def _cache_add(self, block: bytes, method: int, length: int) -> None:
+        """Remember a table-neutral header block that h2's decoder found to be a plain ``method`` call."""
         if block in self._cache_keys:
             return
         if len(self._cache_keys) >= CACHE_SIZE:
             self._cache_clear()
         self._cache_keys.append(block)
         self._cache_codes.append(method)
+        self._cache_lengths.append(length)
 
     def _cache_clear(self) -> None:
         self._cache_keys.clear()
         self._cache_codes.clear()
+        self._cache_lengths.clear()
+
+    def _pending_add(self, stream_id: int, method: int, block: bytes, length: int) -> None:
+        """A call the slow path decoded the headers of (``block`` decodes to them without touching the
+        table), for the fast path to answer when its DATA arrives."""
+        self._pending.append([stream_id, method, block, 0, length])
 
     def _cache_len(self) -> int:
         return len(self._cache_keys)
@@ -276,7 +380,7 @@ class PyGrpcCore:
         """The frames of the calls the fast path started, for the slow path: each one's HEADERS and,
         if the client opened its window, one WINDOW_UPDATE with the sum. Forgets them."""
         out = []
-        for sid, _, block, opened in self._pending:
+        for sid, _, block, opened, _ in self._pending:
             out.append(frame(HEADERS, END_HEADERS, sid, block))
             if opened:
                 out.append(frame(WINDOW_UPDATE, 0, sid, opened.to_bytes(4, "big")))
@@ -337,13 +441,13 @@ class PyGrpcCore:
                 except ValueError:
                     give_up = True
                     break
-                pending.append([sid, self._cache_codes[at], self._cache_keys[at], 0])
+                pending.append([sid, self._cache_codes[at], self._cache_keys[at], 0, self._cache_lengths[at]])
             elif kind == DATA:
                 if flags != END_STREAM or not pending or pending[0][0] != sid or length < 5 or buf[pos + 9]:
                     give_up = True
                     break
                 size = int.from_bytes(buf[pos + 10 : pos + 14], "big")
-                if size != length - 5 or self._debt + length > self._in_window:
+                if size != length - 5 or self._debt + length > self._in_window or pending[0][4] not in (-1, length):
                     give_up = True
                     break
                 method = pending[0][1]
@@ -427,7 +531,11 @@ class PyGrpcCore:
             if pos < n:
                 self._buffer = buf[pos:]
             return b"".join(out), False
-        rest = self._pending_frames() + buf[pos:] if pending else buf[pos:]
+        if pending:
+            self._handed = pending[-1][0]
+            rest = self._pending_frames() + buf[pos:]
+        else:
+            rest = buf[pos:]
         out.append(self._receive_slow(rest))
         return b"".join(out), True
 
@@ -511,7 +619,6 @@ class GrpcConnection(GrpcCore):
 
     __slots__ = (
         "_calls",
-        "_candidate",
         "_draining",
         "_fast_ok",
         "_h2",
@@ -539,7 +646,6 @@ class GrpcConnection(GrpcCore):
         self._calls: dict[int, _Call] = {}
         self._waiting: deque[_Call] = deque()  # calls whose reply waits for the clock, in order
         self._held = b""  # input that arrived while a call waits for the clock
-        self._candidate: tuple[int, bytes] | None = None  # (stream id, block) h2 is decoding now
         self._started = False
         self._draining = False  # a GOAWAY was sent or received: no new calls
         self._tokens = float(FLOOD_BURST)
@@ -710,11 +816,19 @@ class GrpcConnection(GrpcCore):
         sid = int.from_bytes(raw[5:9], "big") & 0x7FFFFFFF
         h2 = self._h2
         if kind in (HEADERS, CONTINUATION):
-            self._candidate = None
-            if kind == HEADERS and flags & ~END_STREAM == END_HEADERS and table_neutral(raw[9:]):
-                if not flags & END_STREAM:
-                    self._candidate = (sid, raw[9:])
-            else:
+            neutral = kind == HEADERS and flags & ~END_STREAM == END_HEADERS and table_neutral(raw[9:])
+            if (
+                flags == END_HEADERS
+                and kind == HEADERS
+                and self._fast_ok
+                and sid & 1
+                and sid > max(h2.highest_inbound_stream_id, self._handed)
+                and not self._calls
+                and self._steady()
+            ):
+                self._headers(sid, raw[9:], neutral)
+                return
+            if not neutral:
                 self._cache_clear()  # this block may change the table: what was recognised may not hold
         elif kind == RST_STREAM:
             if not self._spend():
@@ -731,8 +845,30 @@ class GrpcConnection(GrpcCore):
             return
         for event in h2.receive_data(raw):
             self._event(event)
-        if self._candidate is not None and kind == HEADERS:
-            self._candidate = None
+
+    def _headers(self, sid: int, block: bytes, neutral: bool) -> None:
+        """A HEADERS frame opening a stream in steady state: decoded here with h2's own decoder (so
+        HPACK stays in step, with h2's errors); a plain Fetch or FetchMulti becomes a call of the fast
+        path (and the block, if table-neutral, one it recognises from now on); anything else goes to
+        h2 as a block that means the same headers and leaves the table alone."""
+        h2 = self._h2
+        try:
+            headers = _decode_headers(h2.decoder, block)
+        except ProtocolError as exc:
+            h2.close_connection(exc.error_code)
+            raise
+        if not neutral:
+            self._cache_clear()
+        method, length = _plain_call(headers)
+        if not neutral:
+            block = literal_block(headers)
+        if method:  # (the fast path has no call pending here: it hands them all over before the slow path runs)
+            if neutral:
+                self._cache_add(block, method, length)
+            self._pending_add(sid, method, block, length)
+            return
+        for event in h2.receive_data(frame(HEADERS, END_HEADERS, sid, block)):
+            self._event(event)
 
     def _event(self, event: Any) -> None:
         if isinstance(event, RequestReceived):
@@ -801,9 +937,6 @@ class GrpcConnection(GrpcCore):
         if encoding == b"identity":
             encoding = None
         call = self._calls[sid] = _Call(sid, code, encoding)
-        candidate = self._candidate
-        if candidate is not None and candidate[0] == sid and code in (svc.FETCH, svc.FETCH_MULTI) and encoding is None:
-            self._cache_add(candidate[1], code)
         if ended:
             call.ended = True
             self._ended(call)
