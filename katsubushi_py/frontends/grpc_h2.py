@@ -921,18 +921,18 @@ class GrpcConnection(GrpcCore):
             ctype == b"application/grpc" or ctype.startswith((b"application/grpc+", b"application/grpc;"))
         ):
             shown = (ctype or b"").decode("utf-8", "replace")
-            self._abort(sid, not ended, b"415", svc.INVALID_ARGUMENT, f'invalid gRPC request content-type "{shown}"')
+            self._abort(sid, b"415", svc.INVALID_ARGUMENT, f'invalid gRPC request content-type "{shown}"')
             return
         if timeout is not None and not _valid_timeout(timeout):
-            self._abort(sid, not ended, b"400", svc.INTERNAL, f"malformed grpc-timeout: {timeout.decode('latin-1')!r}")
+            self._abort(sid, b"400", svc.INTERNAL, f"malformed grpc-timeout: {timeout.decode('latin-1')!r}")
             return
         if method != b"POST":
             shown = (method or b"").decode("utf-8", "replace")
-            self._abort(sid, not ended, b"405", svc.INTERNAL, f'method "{shown}" is not allowed: gRPC calls are POST')
+            self._abort(sid, b"405", svc.INTERNAL, f'method "{shown}" is not allowed: gRPC calls are POST')
             return
         code = svc.METHODS.get(path or b"")
         if code is None:
-            self._abort(sid, not ended, b"200", svc.UNIMPLEMENTED, svc.unknown_method(path or b""))
+            self._abort(sid, b"200", svc.UNIMPLEMENTED, svc.unknown_method(path or b""))
             return
         if encoding == b"identity":
             encoding = None
@@ -1021,9 +1021,10 @@ class GrpcConnection(GrpcCore):
         self._trailers(call, reply.status, reply.text, reply.trailers)
         return True
 
-    def _abort(self, sid: int, reset: bool, http_status: bytes, status: int, text: str, extra: tuple = ()) -> None:
-        """A call refused from its headers: one HEADERS frame (trailers only), and RST_STREAM NO_ERROR
-        if the client is still sending (grpc-go's early abort)."""
+    def _abort(self, sid: int, http_status: bytes, status: int, text: str, extra: tuple = ()) -> None:
+        """A call refused from its headers: one HEADERS frame (trailers only), at once. What the client
+        still sends on the stream is read and dropped; no RST_STREAM (grpc-go sends one, which makes curl,
+        still sending its body, report an error instead of the answer)."""
         headers = [
             (b":status", http_status),
             (b"content-type", b"application/grpc"),
@@ -1032,8 +1033,6 @@ class GrpcConnection(GrpcCore):
             *extra,
         ]
         self._h2.send_headers(sid, headers, end_stream=True)
-        if reset:
-            self._h2.reset_stream(sid, ErrorCodes.NO_ERROR)
 
     def _fail(self, call: _Call, status: int, text: str, extra: tuple = ()) -> None:
         """End a call with an error status; what the client still sends on it is ignored."""
