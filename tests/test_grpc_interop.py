@@ -195,24 +195,26 @@ def test_a_broken_connection_gets_goaway_and_a_close(daemons: DaemonFactory) -> 
     assert client.goaway is not None and client.goaway.error_code == ErrorCodes.PROTOCOL_ERROR
 
 
-def test_connections_over_the_limit_are_told_and_closed(daemons: DaemonFactory) -> None:
+def test_connections_over_the_limit_are_closed_and_clients_back_off(daemons: DaemonFactory) -> None:
+    """Over --max-connections a gRPC connection is closed before the HTTP/2 preface: grpcio fails the
+    call with UNAVAILABLE at once (a GOAWAY would have it reconnect in a loop until its deadline)."""
     d, port = start_grpc(daemons, "--max-connections", "2")
     kept = [h2_socket(port) for _ in range(2)]
     for sock, client in kept:
         client.call(FETCH)
         exchange(sock, client)
     with socket.create_connection(("127.0.0.1", port), timeout=5) as extra:
-        data = b""
-        while chunk := extra.recv(4096):
-            data += chunk
-    refused = Client()
-    refused.take(data)
-    assert refused.goaway is not None and refused.goaway.additional_data == b"too many connections"
-    assert refused.goaway.last_stream_id == 0
+        assert extra.recv(4096) == b""
+    started = time.monotonic()
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as channel, pytest.raises(grpc.RpcError) as refused:
+        pb_grpc.GeneratorStub(channel).Fetch(pb.FetchRequest(), timeout=10)
+    assert refused.value.code() == grpc.StatusCode.UNAVAILABLE and time.monotonic() - started < 5
     with d.connect() as mc:  # the memcached listener shares the limit: it is full too
         assert mc.recv(100).startswith(b"SERVER_ERROR too many connections")
     for sock, _ in kept:
         sock.close()
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+        assert pb_grpc.GeneratorStub(channel).Fetch(pb.FetchRequest(), timeout=10).id
 
 
 def test_sigterm_says_goaway_to_open_connections(daemons: DaemonFactory) -> None:
