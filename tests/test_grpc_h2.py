@@ -32,8 +32,9 @@ from h2.settings import SettingCodes
 
 from katsubushi_py.frontends import grpc_h2
 from katsubushi_py.frontends import katsubushi_pb2 as pb
-from katsubushi_py.frontends.grpc_h2 import PREFACE, frame, table_neutral
-from katsubushi_py.frontends.grpc_service import fetch_multi_reply, fetch_reply
+from katsubushi_py.frontends.grpc_h2 import PREFACE, GrpcConnection, frame, table_neutral
+from katsubushi_py.frontends.grpc_service import GrpcService
+from katsubushi_py.issuing.issuer import Issuer
 
 BOTH = pytest.mark.parametrize("fast", [True, False], ids=["fast", "slow"])
 
@@ -194,11 +195,36 @@ def test_fetch_multi_over_the_limit_is_invalid_argument(fast: bool) -> None:
     assert server._service.counters.commands == 1 and server._service.counters.ids == 0
 
 
-def test_reply_encoders_are_protobufs() -> None:
-    for value in (1, 127, 128, 300, 1 << 62, (1 << 64) - 1):
-        assert fetch_reply(value) == pb.FetchResponse(id=value).SerializeToString()
-    for ids in ([5], [1, 2, 3], list(range(1 << 60, (1 << 60) + 1000))):
-        assert fetch_multi_reply(ids) == pb.FetchMultiResponse(ids=ids).SerializeToString()
+class ChosenIds:
+    """A generator handing out chosen values: the fast path's reply bytes against protobuf's."""
+
+    def __init__(self, values: list[int]) -> None:
+        self.values = list(values)
+
+    def next_id(self) -> int:
+        return self.values.pop(0)
+
+    def next_ids(self, n: int) -> list[int]:
+        out, self.values = self.values[:n], self.values[n:]
+        return out
+
+
+EDGES = [1, 127, 128, 16383, 16384, 1 << 35, (1 << 56) - 1, 1 << 56, (1 << 63) - 1, (1 << 64) - 1, 0]
+
+
+@BOTH
+def test_replies_are_the_bytes_protobuf_writes(fast: bool) -> None:
+    server = GrpcConnection(GrpcService(Issuer(ChosenIds(EDGES * 2), "1.0.0")), fast=fast)
+    client = Client()
+    client.take(server.receive(client.pending()))
+    singles = [client.call(FETCH) for _ in EDGES]
+    exchange(server, client)
+    multi = client.call(FETCH_MULTI, b"\x08" + varint(len(EDGES)))
+    exchange(server, client)
+    for sid, value in zip(singles, EDGES, strict=True):
+        assert split_messages(client.replies[sid].data) == [pb.FetchResponse(id=value).SerializeToString()]
+    assert split_messages(client.replies[multi].data) == [pb.FetchMultiResponse(ids=EDGES).SerializeToString()]
+    assert served_fast(server, client) == (len(EDGES) + 1 if fast else 0)
 
 
 def test_table_neutral_blocks() -> None:
