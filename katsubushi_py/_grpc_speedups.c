@@ -1,7 +1,7 @@
 /*
  * katsubushi_py._grpc_speedups: the compiled twin of the gRPC fast path.
  *
- *   GrpcCore  twin of frontends/grpc_h2.py PyGrpcCore: the steady state of Generator.Fetch and
+ *   GrpcCore  twin of frontends/grpc_fast.py PyGrpcCore: the steady state of Generator.Fetch and
  *             Generator.FetchMulti over HTTP/2. A HEADERS frame whose header block the slow path
  *             recognised before (_cache_add), the stream's DATA frame with its one message and
  *             END_STREAM, answered with precomputed HEADERS, a DATA frame with the IDs and the
@@ -12,7 +12,7 @@
  *
  * The rule that keeps the twins identical: C does exactly what PyGrpcCore.receive does for the same
  * input in the same state, step by step, and gives up where it gives up. tests/test_grpc_h2.py
- * compares the two byte for byte on generated conversations.
+ * compares the two byte for byte on generated conversations (tests/test_grpc_twins.py).
  *
  * A module of its own (not _speedups.c), built by setup.py as a second optional extension with the
  * same tolerance of a missing compiler; katsubushi_py/compiled.py chooses it under the same rules.
@@ -42,7 +42,7 @@
 
 static PyObject *str_receive_slow, *str_commands, *str_ids, *empty_bytes;
 
-/* The reply's header blocks: see REPLY_HEADERS, REPLY_BLOCK, TRAILERS, TRAILERS_BLOCK in grpc_h2.py. */
+/* The reply's header blocks: see REPLY_HEADERS, REPLY_BLOCK, TRAILERS, TRAILERS_BLOCK in grpc_frames.py. */
 static const unsigned char REPLY_HEAD[5] = {0x00, 0x00, 0x14, 0x01, 0x04};
 static const unsigned char REPLY_BLOCK[20] = {0x88, 0x0f, 0x10, 0x10, 'a', 'p', 'p', 'l', 'i', 'c',
                                               'a', 't', 'i', 'o', 'n', '/', 'g', 'r', 'p', 'c'};
@@ -136,7 +136,7 @@ emit_window_update(Out *o, long long sid, long long increment)
     return 0;
 }
 
-/* The three frames of one answered call (grpc_h2._reply_frames). */
+/* The three frames of one answered call (grpc_frames.reply_frames). */
 static int
 emit_reply(Out *o, long long sid, const unsigned char *message, Py_ssize_t n)
 {

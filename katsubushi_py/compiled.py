@@ -35,7 +35,7 @@ else:
     except ImportError as exc:  # not built here (no compiler at install time)
         WHY_NOT_COMPILED = f"not built ({exc})"
 
-#: ``katsubushi_py._grpc_speedups``: the compiled twin of the gRPC fast path (frontends/grpc_h2.py
+#: ``katsubushi_py._grpc_speedups``: the compiled twin of the gRPC fast path (frontends/grpc_fast.py
 #: PyGrpcCore), a module of its own, built and chosen under the same rules.
 grpc_speedups: ModuleType | None = None
 if speedups is not None:

@@ -16,8 +16,8 @@ import sys
 
 from grpc_conversations import FETCH, FETCH_MULTI, Client, chunks, grpc_headers, make_server, message, play_step, script
 
-from katsubushi_py.frontends import grpc_h2
-from katsubushi_py.frontends.grpc_h2 import frame
+from katsubushi_py.frontends import grpc_fast
+from katsubushi_py.frontends.grpc_frames import frame
 
 
 def state(server) -> list[object]:
@@ -117,5 +117,5 @@ def receive(server, clock, data: bytes) -> bytes:
 
 
 if __name__ == "__main__":
-    core = "compiled" if grpc_h2.COMPILED else "python"
+    core = "compiled" if grpc_fast.COMPILED else "python"
     print(json.dumps({"core": core, "conversations": [play(int(seed)) for seed in sys.argv[1:]]}))

@@ -30,9 +30,10 @@ from grpc_reflection.v1alpha import reflection_pb2 as rpb
 from h2.errors import ErrorCodes
 from h2.settings import SettingCodes
 
-from katsubushi_py.frontends import grpc_h2
+from katsubushi_py.frontends import grpc_frames
 from katsubushi_py.frontends import katsubushi_pb2 as pb
-from katsubushi_py.frontends.grpc_h2 import PREFACE, GrpcConnection, frame, table_neutral
+from katsubushi_py.frontends.grpc_frames import PREFACE, frame, table_neutral
+from katsubushi_py.frontends.grpc_h2 import GrpcConnection
 from katsubushi_py.frontends.grpc_service import GrpcService
 from katsubushi_py.issuing.issuer import Issuer
 
@@ -402,7 +403,7 @@ def test_the_preface_may_arrive_a_byte_at_a_time() -> None:
 def test_streams_beyond_the_limit_are_refused_not_the_connection(fast: bool) -> None:
     server, _ = make_server(fast)
     client = Client()  # the client has not read the server's SETTINGS: it opens 101 streams at once
-    sids = [client.open(FETCH) for _ in range(grpc_h2.MAX_STREAMS + 1)]
+    sids = [client.open(FETCH) for _ in range(grpc_frames.MAX_STREAMS + 1)]
     client.take(server.receive(client.pending()))
     assert client.replies[sids[-1]].reset == ErrorCodes.REFUSED_STREAM
     assert client.goaway is None

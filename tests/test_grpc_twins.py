@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from katsubushi_py.frontends import grpc_h2
+from katsubushi_py.frontends import grpc_fast
 
 HERE = Path(__file__).resolve().parent
 SEEDS = [str(seed) for seed in range(12)]
@@ -30,7 +30,7 @@ def run(pure: bool) -> dict:
     return json.loads(result.stdout)
 
 
-@pytest.mark.skipif(not grpc_h2.COMPILED, reason="the compiled gRPC core is not built here (or is switched off)")
+@pytest.mark.skipif(not grpc_fast.COMPILED, reason="the compiled gRPC core is not built here (or is switched off)")
 def test_the_compiled_core_answers_byte_for_byte_as_the_pure_one() -> None:
     compiled, pure = run(pure=False), run(pure=True)
     assert (compiled["core"], pure["core"]) == ("compiled", "python")

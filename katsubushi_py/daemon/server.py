@@ -179,7 +179,8 @@ class Daemon:
     async def _start_grpc(self, port: int) -> None:
         """gRPC over HTTP/2 (:mod:`~katsubushi_py.frontends.grpc_h2`) through the same glue as memcached
         and HTTP (limit, counters, idle timeout, flow control, clock waits); h2 and protobuf load only here."""
-        from ..frontends.grpc_h2 import TOO_MANY_CONNECTIONS, GrpcConnection
+        from ..frontends.grpc_frames import TOO_MANY_CONNECTIONS
+        from ..frontends.grpc_h2 import GrpcConnection
         from ..frontends.grpc_service import GrpcService
 
         service = GrpcService(self.issuer)

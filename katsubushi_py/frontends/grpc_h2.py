@@ -3,40 +3,28 @@
 Two paths share one connection, and must always agree (tests/test_grpc_h2.py plays the same
 conversations through both and compares what a client decodes):
 
-- **The slow path** (:meth:`GrpcConnection._receive_slow`) is everything: the ``h2`` library (sans-IO,
-  well kept) does the connection preface, SETTINGS, PING, flow control, HPACK, stream states, RST_STREAM
-  and GOAWAY; this module splits the input into frames, feeds them to h2 one by one, turns h2's events
-  into calls of :class:`~.grpc_service.GrpcService`, and answers with h2.
-- **The fast path** (:class:`PyGrpcCore`, compiled twin ``_grpc_speedups.GrpcCore``) is the steady
-  state of ``Fetch`` and ``FetchMulti``: a HEADERS frame whose header block it recognises, then the
-  DATA frame with the stream's one message and END_STREAM, answered with precomputed HEADERS, the
-  DATA frame with the IDs, and the trailers; also connection WINDOW_UPDATEs. At the first frame it
-  does not take it hands the rest of the input to the slow path (with the HEADERS frames of calls it
-  had started, which h2 then opens as if it had seen them first).
+- **The slow path** (:class:`GrpcConnection`, here) is everything: the ``h2`` library (sans-IO, well
+  kept) does the connection preface, SETTINGS, PING, flow control, HPACK, stream states, RST_STREAM and
+  GOAWAY; this module splits the input into frames, feeds them to h2 one by one, turns h2's events into
+  calls of :class:`~.grpc_service.GrpcService`, and answers with h2.
+- **The fast path** (:mod:`.grpc_fast`, compiled twin ``_grpc_speedups.GrpcCore``) is the steady state
+  of ``Fetch`` and ``FetchMulti``, recognised by the bytes of their header blocks.
 
-Recognising a header block without decoding it: an HPACK block that has only indexed fields and
-literals *without indexing* (or never indexed) leaves the dynamic table as it was, so while no other
-kind of block is decoded, the same bytes always mean the same headers. h2load's, grpcio's and
-grpc-js's blocks after the first are of that kind (indexed fields, an unindexed ``:path``).
-
-A block the fast path does not recognise goes to the slow path, which, in steady state, decodes it
+A HEADERS frame the fast path does not recognise comes here. In steady state the slow path decodes it
 itself with h2's own decoder (HPACK stays in step; h2's errors) and, if it is a plain ``Fetch`` or
-``FetchMulti`` (:func:`_plain_call`, deliberately narrower than h2's rules), gives the call to the fast
-path (:meth:`PyGrpcCore._pending_add`) and remembers the block if it is table-neutral
-(:meth:`PyGrpcCore._cache_add`); any other block makes it forget them all
-(:meth:`PyGrpcCore._cache_clear`). So grpc-go, which adds every new ``grpc-timeout`` value to the
-table, costs a decode per call but no h2 stream. When h2 must see such a call after all (the fast
-path hands over), it gets a block of the same headers as literals without indexing
-(:func:`literal_block`), which leaves the table alone. The fast path's reply blocks use the static
-table and literals without indexing only, so they never touch the dynamic table of h2's encoder
-either; while the client has asked for a smaller table and h2's encoder owes it a size update, the
-fast path stays off.
+``FetchMulti`` (:func:`~.grpc_frames.plain_call`, deliberately narrower than h2's rules), gives the
+call to the fast path and remembers the block if it is table-neutral; any other block makes the fast
+path forget them all. So grpc-go, which adds every new ``grpc-timeout`` value to the table, costs a
+decode per call but no h2 stream. When h2 must see such a call after all (the fast path hands it
+over), it gets a block of the same headers as literals without indexing
+(:func:`~.grpc_frames.literal_block`), which leaves the table alone. The fast path's reply blocks use
+the static table and literals without indexing only, so they never touch the dynamic table of h2's
+encoder either; while the client has asked for a smaller table and h2's encoder owes it a size
+update, the fast path stays off.
 
 State the paths share, handed over at each switch: the highest stream id (h2's
 ``highest_inbound_stream_id``), the connection's outbound window (h2's ``outbound_flow_control_window``),
-the client's initial stream window, and the inbound window: the fast path counts the DATA bytes it
-consumed (``_debt``) and gives them back with a WINDOW_UPDATE once they reach half of h2's window, as
-h2 would, or before the slow path runs, so h2's own window account is exact whenever it is used.
+the client's initial stream window, and the inbound window (see :mod:`.grpc_fast`).
 
 What a client can make a connection hold (each limit answered as the HTTP/2 and gRPC specifications
 say): one incomplete frame (``MAX_FRAME`` + 9 bytes); ``MAX_STREAMS`` open calls (more are refused
@@ -53,10 +41,9 @@ read stop the reading of its requests (the connection glue's flow control).
 from __future__ import annotations
 
 import logging
-import re
 import time
 from collections import deque
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from h2.config import H2Configuration
 from h2.connection import H2Connection, _decode_headers
@@ -76,481 +63,38 @@ from h2.stream import StreamClosedBy
 from hyperframe.frame import RstStreamFrame
 
 from ..issuing.errors import ClockWait
-from ..issuing.issuer import MAX_IDS_PER_REQUEST
 from . import grpc_service as svc
-from .grpc_service import GrpcService, Reply, fetch_multi_reply, fetch_reply
+from .grpc_fast import GrpcCore
+from .grpc_frames import (
+    ACK,
+    CONTINUATION,
+    DATA,
+    END_HEADERS,
+    END_STREAM,
+    FLOOD_BURST,
+    FLOOD_RATE,
+    GOAWAY,
+    HEADERS,
+    HTTP1_METHODS,
+    HTTP1_REPLY,
+    MAX_FRAME,
+    MAX_HEADER_LIST,
+    MAX_MESSAGE,
+    MAX_STREAMS,
+    PING,
+    PREFACE,
+    RST_STREAM,
+    SETTINGS,
+    WINDOW_UPDATE,
+    frame,
+    literal_block,
+    plain_call,
+    table_neutral,
+    valid_timeout,
+)
+from .grpc_service import GrpcService, Reply
 
 log = logging.getLogger("katsubushi_py")
-
-PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
-MAX_FRAME = 16384  # SETTINGS_MAX_FRAME_SIZE: the protocol's default, never raised
-MAX_STREAMS = 100  # SETTINGS_MAX_CONCURRENT_STREAMS
-MAX_HEADER_LIST = 16 * 1024  # SETTINGS_MAX_HEADER_LIST_SIZE (the HTTP front end's MAX_HEAD)
-MAX_MESSAGE = 4096  # a request message (reflection's are the largest, a symbol name)
-FLOOD_BURST = 1000
-FLOOD_RATE = 100.0  # control frames a second, sustained
-CACHE_SIZE = 16  # recognised header blocks per connection
-RETURN_AT = 65535 // 2  # inbound bytes given back with a WINDOW_UPDATE (h2's rule: half its window)
-
-# Frame types and flags (RFC 9113 section 6).
-DATA, HEADERS, PRIORITY, RST_STREAM, SETTINGS, PUSH_PROMISE, PING, GOAWAY, WINDOW_UPDATE, CONTINUATION = range(10)
-END_STREAM, ACK, END_HEADERS, PADDED = 0x1, 0x1, 0x4, 0x8
-
-#: The fast path's reply header blocks: ``:status: 200`` (static index 8) and ``content-type:
-#: application/grpc`` (a literal without indexing, name index 31); ``grpc-status: 0`` (a literal without
-#: indexing, new name). Neither adds to the dynamic table.
-REPLY_HEADERS = b"\x00\x00\x14\x01\x04"  # length 20, HEADERS, END_HEADERS; then the stream id
-REPLY_BLOCK = b"\x88\x0f\x10\x10application/grpc"
-TRAILERS = b"\x00\x00\x0f\x01\x05"  # length 15, HEADERS, END_STREAM | END_HEADERS
-TRAILERS_BLOCK = b"\x00\x0bgrpc-status\x010"
-
-_HTTP1_METHODS = (b"GET ", b"POST ", b"PUT ", b"HEAD ", b"DELETE ", b"OPTIONS ", b"PATCH ", b"CONNECT ", b"TRACE ")
-HTTP1_REPLY_BODY = (
-    b"this port serves gRPC over HTTP/2 (h2c: HTTP/2 with prior knowledge); HTTP/1.1 is not spoken here\n"
-)
-HTTP1_REPLY = (
-    b"HTTP/1.1 505 HTTP Version Not Supported\r\nContent-Type: text/plain\r\nContent-Length: %d\r\n"
-    b"Connection: close\r\n\r\n%b" % (len(HTTP1_REPLY_BODY), HTTP1_REPLY_BODY)
-)
-
-
-def frame(kind: int, flags: int, stream_id: int, payload: bytes) -> bytes:
-    return len(payload).to_bytes(3, "big") + bytes((kind, flags)) + stream_id.to_bytes(4, "big") + payload
-
-
-def goaway(last_stream_id: int, error_code: int, debug: bytes = b"") -> bytes:
-    return frame(GOAWAY, 0, 0, last_stream_id.to_bytes(4, "big") + error_code.to_bytes(4, "big") + debug)
-
-
-#: What a connection beyond ``--max-connections`` (or during shutdown) gets before the close: nothing.
-#: The polite answer, the server preface and a GOAWAY, completes the connection as far as gRPC clients
-#: are concerned, and they reconnect at once, in a loop (grpcio: 200 connections in 3 s, then
-#: DEADLINE_EXCEEDED); a connection closed before the preface is a failed one, so they fail the call
-#: with UNAVAILABLE and back off before trying again.
-TOO_MANY_CONNECTIONS = b""
-
-
-def table_neutral(block: bytes) -> bool:
-    """True if decoding this HPACK block cannot change the dynamic table: only indexed fields and
-    literals without indexing or never indexed (RFC 7541 section 6), each complete."""
-    i, n = 0, len(block)
-    while i < n:
-        b = block[i]
-        if b & 0x80:  # indexed field: a 7-bit prefix integer
-            i = _skip_int(block, i, 0x7F)
-        elif b & 0xE0:  # 01xxxxxx adds to the table, 001xxxxx resizes it
-            return False
-        else:  # 0000xxxx or 0001xxxx: a name index (4-bit prefix), a literal name if 0, a value
-            named = b & 0x0F
-            i = _skip_int(block, i, 0x0F)
-            if i < 0:
-                return False
-            if not named:
-                i = _skip_string(block, i)
-            i = _skip_string(block, i) if i >= 0 else -1
-        if i < 0:
-            return False
-    return True
-
-
-def _skip_int(block: bytes, i: int, mask: int) -> int:
-    """The index after an HPACK integer at i (its prefix the low bits of block[i]); -1 if cut short or
-    longer than four continuation bytes."""
-    if block[i] & mask != mask:
-        return i + 1
-    for j in range(i + 1, min(i + 5, len(block))):
-        if block[j] < 0x80:
-            return j + 1
-    return -1
-
-
-def _string_length(block: bytes, i: int) -> tuple[int, int]:
-    """(length, index of the first byte) of the HPACK string at i; (-1, -1) if malformed."""
-    n = len(block)
-    if i >= n:
-        return -1, -1
-    value = block[i] & 0x7F
-    i += 1
-    if value == 0x7F:
-        shift = 0
-        for _ in range(4):
-            if i >= n:
-                return -1, -1
-            b = block[i]
-            i += 1
-            value += (b & 0x7F) << shift
-            shift += 7
-            if b < 0x80:
-                break
-        else:
-            return -1, -1
-    return value, i
-
-
-def _skip_string(block: bytes, i: int) -> int:
-    length, start = _string_length(block, i)
-    if length < 0 or start + length > len(block):
-        return -1
-    return start + length
-
-
-def _hpack_int(value: int, prefix: int, first: int) -> bytes:
-    """An HPACK integer with a ``prefix``-bit prefix; ``first`` holds the first byte's other bits."""
-    mask = (1 << prefix) - 1
-    if value < mask:
-        return bytes((first | value,))
-    out = bytearray((first | mask,))
-    value -= mask
-    while value >= 0x80:
-        out.append((value & 0x7F) | 0x80)
-        value >>= 7
-    out.append(value)
-    return bytes(out)
-
-
-def literal_block(headers: list[tuple[bytes, bytes]]) -> bytes:
-    """An HPACK block of these headers as literals without indexing (new names, no Huffman): it
-    decodes to them whatever the dynamic table holds, and changes nothing in it."""
-    return b"".join(
-        b"\x00" + _hpack_int(len(name), 7, 0) + name + _hpack_int(len(value), 7, 0) + value for name, value in headers
-    )
-
-
-_TOKEN = re.compile(rb"[a-z0-9!#$%&'*+\-.^_`|~]+")
-_PSEUDO = (b":method", b":scheme", b":path", b":authority")
-_NOT_PLAIN = (b"connection", b"keep-alive", b"proxy-connection", b"transfer-encoding", b"upgrade", b"host", b"cookie")
-
-
-def _plain_call(headers: list[tuple[bytes, bytes]]) -> tuple[int, int]:
-    """(method, content-length or -1) if these request headers are a Fetch or FetchMulti that h2
-    accepts and the slow path would serve like any other; (0, -1) for anything else (which h2 then
-    judges). Deliberately narrower than h2's rules: a doubt is the slow path's."""
-    seen: set[bytes] = set()
-    regular = False
-    method = scheme = path = ctype = None
-    length = -1
-    for name, value in headers:
-        if value and (
-            value[0] in (0x20, 0x09) or value[-1] in (0x20, 0x09) or b"\r" in value or b"\n" in value or b"\0" in value
-        ):
-            return 0, -1
-        if name[:1] == b":":
-            if regular or name in seen or name not in _PSEUDO:
-                return 0, -1
-            seen.add(name)
-            if name == b":method":
-                method = value
-            elif name == b":scheme":
-                scheme = value
-            elif name == b":path":
-                path = value
-            continue
-        regular = True
-        if not _TOKEN.fullmatch(name) or name in _NOT_PLAIN:
-            return 0, -1
-        if name in (b"content-type", b"content-length", b"grpc-encoding", b"grpc-timeout", b"te"):
-            if name in seen:
-                return 0, -1
-            seen.add(name)
-        if name == b"content-type":
-            ctype = value
-        elif name == b"te":
-            if value != b"trailers":
-                return 0, -1
-        elif name == b"grpc-encoding":
-            if value != b"identity":
-                return 0, -1
-        elif name == b"grpc-timeout":
-            if not _valid_timeout(value):
-                return 0, -1
-        elif name == b"content-length":
-            if not value.isdigit() or len(value) > 9:
-                return 0, -1
-            length = int(value)
-    if method != b"POST" or not scheme or ctype is None:
-        return 0, -1
-    if not (ctype == b"application/grpc" or ctype.startswith((b"application/grpc+", b"application/grpc;"))):
-        return 0, -1
-    code = svc.METHODS.get(path or b"", 0)
-    return (code, length) if code in (svc.FETCH, svc.FETCH_MULTI) else (0, -1)
-
-
-def _reply_frames(stream_id: int, message: bytes) -> bytes:
-    """The fast path's three frames for one successful call."""
-    sid = stream_id.to_bytes(4, "big")
-    n = len(message)
-    return b"".join(
-        (
-            REPLY_HEADERS,
-            sid,
-            REPLY_BLOCK,
-            (n + 5).to_bytes(3, "big"),
-            b"\x00\x00",
-            sid,
-            b"\x00",
-            n.to_bytes(4, "big"),
-            message,
-            TRAILERS,
-            sid,
-            TRAILERS_BLOCK,
-        )
-    )
-
-
-class PyGrpcCore:
-    """The fast path, pure Python (``_grpc_speedups.GrpcCore`` is its compiled twin: the same steps in
-    C). ``_fast`` is set by the slow path when the connection is in the steady state the fast path
-    can serve; ``_receive_slow`` is the subclass's."""
-
-    __slots__ = (
-        "_buffer",
-        "_cache_codes",
-        "_cache_keys",
-        "_cache_lengths",
-        "_counters",
-        "_debt",
-        "_fast",
-        "_handed",
-        "_in_window",
-        "_last_stream",
-        "_next_id",
-        "_next_ids",
-        "_out_window",
-        "_peer_window",
-        "_pending",
-        "activity",
-        "closing",
-        "wait",
-    )
-
-    _buffer: bytes
-    _fast: bool
-    _last_stream: int
-    _out_window: int
-    _peer_window: int
-    _in_window: int
-    _debt: int
-    _handed: int
-    activity: int
-    closing: bool
-    wait: float
-
-    def _core_init(self, generator: Any, counters: Any) -> None:
-        self._buffer = b""
-        self._fast = False
-        self._cache_keys: list[bytes] = []
-        self._cache_codes: list[int] = []
-        self._cache_lengths: list[int] = []  # the block's content-length (-1: none), which DATA must match
-        # Calls started: [stream id, method, header block, bytes the client added to the stream's window,
-        # content-length or -1].
-        self._pending: list[list[Any]] = []
-        self._handed = 0  # the last stream id handed over to the slow path
-        self._last_stream = 0
-        self._out_window = self._peer_window = self._in_window = 65535
-        self._debt = 0
-        self._next_id = generator.next_id
-        self._next_ids = generator.next_ids
-        self._counters = counters
-        self.activity = 0
-        self.closing = False
-        self.wait = 0.0
-
-    def _cache_add(self, block: bytes, method: int, length: int) -> None:
-        """Remember a table-neutral header block that h2's decoder found to be a plain ``method`` call."""
-        if block in self._cache_keys:
-            return
-        if len(self._cache_keys) >= CACHE_SIZE:
-            self._cache_clear()
-        self._cache_keys.append(block)
-        self._cache_codes.append(method)
-        self._cache_lengths.append(length)
-
-    def _cache_clear(self) -> None:
-        self._cache_keys.clear()
-        self._cache_codes.clear()
-        self._cache_lengths.clear()
-
-    def _pending_add(self, stream_id: int, method: int, block: bytes, length: int) -> None:
-        """A call the slow path decoded the headers of (``block`` decodes to them without touching the
-        table), for the fast path to answer when its DATA arrives."""
-        self._pending.append([stream_id, method, block, 0, length])
-
-    def _cache_len(self) -> int:
-        return len(self._cache_keys)
-
-    def _pending_frames(self) -> bytes:
-        """The frames of the calls the fast path started, for the slow path: each one's HEADERS and,
-        if the client opened its window, one WINDOW_UPDATE with the sum. Forgets them."""
-        out = []
-        for sid, _, block, opened, _ in self._pending:
-            out.append(frame(HEADERS, END_HEADERS, sid, block))
-            if opened:
-                out.append(frame(WINDOW_UPDATE, 0, sid, opened.to_bytes(4, "big")))
-        self._pending.clear()
-        return b"".join(out)
-
-    def _receive_slow(self, data: bytes) -> bytes:
-        raise NotImplementedError
-
-    def receive(self, data: bytes) -> bytes:
-        """Answer what arrived: the fast path while it can, the slow path with the rest; and the fast
-        path again if the slow path stopped early, in steady state, leaving frames in ``_buffer``."""
-        out: list[bytes] = []
-        while True:
-            if not self._fast:
-                out.append(self._receive_slow(data))
-            else:
-                part, slow = self._fast_pass(data)
-                out.append(part)
-                if not slow:
-                    break
-            if not self._fast or len(self._buffer) < 9:
-                break
-            data = b""
-        return out[0] if len(out) == 1 else b"".join(out)
-
-    def _fast_pass(self, data: bytes) -> tuple[bytes, bool]:
-        """One run of the fast path over ``_buffer`` and data; (output, whether the slow path ran)."""
-        buf = self._buffer + data if self._buffer else data
-        self._buffer = b""
-        n = len(buf)
-        pos = 0
-        out: list[bytes] = []
-        calls = issued = 0
-        pending = self._pending
-        give_up = False
-        while n - pos >= 9:
-            length = (buf[pos] << 16) | (buf[pos + 1] << 8) | buf[pos + 2]
-            if length > MAX_FRAME:
-                give_up = True
-                break
-            end = pos + 9 + length
-            if end > n:
-                break
-            kind = buf[pos + 3]
-            flags = buf[pos + 4]
-            sid = int.from_bytes(buf[pos + 5 : pos + 9], "big") & 0x7FFFFFFF
-            if kind == HEADERS:
-                if flags != END_HEADERS or not sid & 1 or len(pending) >= MAX_STREAMS:
-                    give_up = True
-                    break
-                if sid <= (pending[-1][0] if pending else self._last_stream):
-                    give_up = True
-                    break
-                block = buf[pos + 9 : end]
-                try:
-                    at = self._cache_keys.index(block)
-                except ValueError:
-                    give_up = True
-                    break
-                pending.append([sid, self._cache_codes[at], self._cache_keys[at], 0, self._cache_lengths[at]])
-            elif kind == DATA:
-                if flags != END_STREAM or not pending or pending[0][0] != sid or length < 5 or buf[pos + 9]:
-                    give_up = True
-                    break
-                size = int.from_bytes(buf[pos + 10 : pos + 14], "big")
-                if size != length - 5 or self._debt + length > self._in_window or pending[0][4] not in (-1, length):
-                    give_up = True
-                    break
-                method = pending[0][1]
-                if method == svc.FETCH:
-                    if size:
-                        give_up = True
-                        break
-                    count = 1
-                else:  # FETCH_MULTI: empty (n = 1), or field 1 alone as a varint of one or two bytes
-                    if size == 0:
-                        count = 0
-                    elif size == 2 and buf[pos + 14] == 0x08 and buf[pos + 15] < 0x80:
-                        count = buf[pos + 15]
-                    elif size == 3 and buf[pos + 14] == 0x08 and buf[pos + 15] >= 0x80 and buf[pos + 16] < 0x80:
-                        count = (buf[pos + 15] & 0x7F) | (buf[pos + 16] << 7)
-                    else:
-                        give_up = True
-                        break
-                    count = count or 1  # proto3: 0 and unset are alike; go-katsubushi reads 1
-                    if count > MAX_IDS_PER_REQUEST:
-                        give_up = True
-                        break
-                # The reply's most bytes: prefix, tag, length, ten bytes an ID.
-                bound = 5 + 3 + 10 * count
-                if bound > self._out_window or bound > self._peer_window + pending[0][3]:
-                    give_up = True
-                    break
-                try:
-                    message = (
-                        fetch_reply(self._next_id())
-                        if method == svc.FETCH
-                        else fetch_multi_reply([self._next_id()] if count == 1 else self._next_ids(count))
-                    )
-                except Exception:  # a clock wait or a failure: the slow path asks again and answers it
-                    give_up = True
-                    break
-                pending.pop(0)
-                self._last_stream = sid
-                self._debt += length
-                if self._debt >= RETURN_AT:
-                    out.append(frame(WINDOW_UPDATE, 0, 0, self._debt.to_bytes(4, "big")))
-                    self._debt = 0
-                self._out_window -= len(message) + 5
-                out.append(_reply_frames(sid, message))
-                calls += 1
-                issued += count
-            elif kind == WINDOW_UPDATE and length == 4:
-                increment = int.from_bytes(buf[pos + 9 : end], "big") & 0x7FFFFFFF
-                if not increment:
-                    give_up = True
-                    break
-                if sid == 0:
-                    if self._out_window + increment > 0x7FFFFFFF:
-                        give_up = True
-                        break
-                    self._out_window += increment
-                elif pending and pending[0][0] <= sid <= pending[-1][0]:  # grpcio opens each call's window
-                    for call in pending:
-                        if call[0] == sid:
-                            break
-                    else:
-                        give_up = True
-                        break
-                    if self._peer_window + call[3] + increment > 0x7FFFFFFF:
-                        give_up = True
-                        break
-                    call[3] += increment
-                elif not (sid & 1 and sid <= self._last_stream):  # a closed stream's is ignored, as h2 does
-                    give_up = True
-                    break
-            else:
-                give_up = True
-                break
-            pos = end
-        if calls:
-            self.activity += calls
-            counters = self._counters
-            counters.commands += calls
-            counters.ids += issued
-        if not give_up:
-            if pos < n:
-                self._buffer = buf[pos:]
-            return b"".join(out), False
-        if pending:
-            self._handed = pending[-1][0]
-            rest = self._pending_frames() + buf[pos:]
-        else:
-            rest = buf[pos:]
-        out.append(self._receive_slow(rest))
-        return b"".join(out), True
-
-
-if TYPE_CHECKING:
-    GrpcCore = PyGrpcCore
-else:
-    from ..compiled import grpc_speedups
-
-    GrpcCore = grpc_speedups.GrpcCore if grpc_speedups is not None else PyGrpcCore
-
-#: True when the connections derive from the compiled twin.
-COMPILED = GrpcCore is not PyGrpcCore
 
 
 class _H2(H2Connection):
@@ -590,11 +134,6 @@ def _grpc_message(text: str) -> bytes:
     return b"".join(
         bytes((c,)) if 0x20 <= c <= 0x7E and c != 0x25 else b"%%%02X" % c for c in text.encode("utf-8", "replace")
     )
-
-
-def _valid_timeout(value: bytes) -> bool:
-    """``grpc-timeout``: one to eight digits and a unit (H, M, S, m, u, n)."""
-    return 2 <= len(value) <= 9 and value[:-1].isdigit() and value[-1:] in b"HMSmun"
 
 
 class _Call:
@@ -756,11 +295,11 @@ class GrpcConnection(GrpcCore):
                     self._buffer = buf
                     return
                 if not buf.startswith(PREFACE):
-                    if buf.startswith(_HTTP1_METHODS):
+                    if buf.startswith(HTTP1_METHODS):
                         out.append(HTTP1_REPLY)
                         self.closing = True
                         return
-                    if len(buf) < 8 and any(m.startswith(buf) for m in _HTTP1_METHODS):
+                    if len(buf) < 8 and any(m.startswith(buf) for m in HTTP1_METHODS):
                         self._buffer = buf
                         return
                     # RFC 9113 section 3.4: a connection error of type PROTOCOL_ERROR.
@@ -861,7 +400,7 @@ class GrpcConnection(GrpcCore):
             raise
         if not neutral:
             self._cache_clear()
-        method, length = _plain_call(headers)
+        method, length = plain_call(headers)
         if not neutral:
             block = literal_block(headers)
         if method:  # (the fast path has no call pending here: it hands them all over before the slow path runs)
@@ -925,7 +464,7 @@ class GrpcConnection(GrpcCore):
             shown = (ctype or b"").decode("utf-8", "replace")
             self._abort(sid, b"415", svc.INVALID_ARGUMENT, f'invalid gRPC request content-type "{shown}"')
             return
-        if timeout is not None and not _valid_timeout(timeout):
+        if timeout is not None and not valid_timeout(timeout):
             self._abort(sid, b"400", svc.INTERNAL, f"malformed grpc-timeout: {timeout.decode('latin-1')!r}")
             return
         if method != b"POST":
