@@ -158,28 +158,14 @@ def check_grpc(subject: Subject, sc: Scenario, body_file: str, calls: int = 20) 
 
 
 def decode_ids(message: bytes) -> list[int]:
-    """The uint64s of a FetchResponse (field 1, varint) or FetchMultiResponse (field 1, packed)."""
-
-    def varint(data: bytes, at: int) -> tuple[int, int]:
-        value = shift = 0
-        while True:
-            byte = data[at]
-            at += 1
-            value |= (byte & 0x7F) << shift
-            shift += 7
-            if byte < 0x80:
-                return value, at
+    """The IDs of a FetchResponse (field 1, a varint) or a FetchMultiResponse (field 1, packed)."""
+    from katsubushi_py.frontends import katsubushi_pb2 as pb
 
     if not message:
         return []
     if message[0] == 0x08:
-        return [varint(message, 1)[0]]
-    length, at = varint(message, 1)
-    ids, end = [], at + length
-    while at < end:
-        value, at = varint(message, at)
-        ids.append(value)
-    return ids
+        return [pb.FetchResponse.FromString(message).id]
+    return list(pb.FetchMultiResponse.FromString(message).ids)
 
 
 def spread(values: list[float], fmt: str) -> str:

@@ -25,6 +25,7 @@ from h2.events import (
 )
 from h2.settings import SettingCodes
 
+from katsubushi_py.frontends import katsubushi_pb2 as pb
 from katsubushi_py.frontends.grpc_h2 import GrpcConnection
 from katsubushi_py.frontends.grpc_service import GrpcService
 from katsubushi_py.ids.layout import Layout
@@ -70,31 +71,11 @@ def split_messages(data: bytes) -> list[bytes]:
 
 
 def decode_ids(body: bytes) -> list[int]:
-    """The uint64s of a FetchResponse or FetchMultiResponse."""
-    ids, at = [], 0
-    if not body:
-        return ids
-    if body[0] == 0x08:
-        at = 1
-        end = len(body)
-    else:
-        length, at = _read_varint(body, 1)
-        end = at + length
-    while at < end:
-        value, at = _read_varint(body, at)
-        ids.append(value)
-    return ids
-
-
-def _read_varint(data: bytes, at: int) -> tuple[int, int]:
-    value = shift = 0
-    while True:
-        byte = data[at]
-        at += 1
-        value |= (byte & 0x7F) << shift
-        shift += 7
-        if byte < 0x80:
-            return value, at
+    """The IDs of a FetchResponse or FetchMultiResponse, as protobuf reads them (a FetchResponse's
+    field 1 is a varint; a FetchMultiResponse's is packed, length-delimited)."""
+    if body[:1] == b"\x08" or not body:
+        return [pb.FetchResponse.FromString(body).id] if body else []
+    return list(pb.FetchMultiResponse.FromString(body).ids)
 
 
 @dataclass
