@@ -32,7 +32,7 @@ from h2.settings import SettingCodes
 
 from katsubushi_py.frontends import grpc_frames
 from katsubushi_py.frontends import katsubushi_pb2 as pb
-from katsubushi_py.frontends.grpc_frames import PREFACE, frame, table_neutral
+from katsubushi_py.frontends.grpc_frames import PREFACE, frame, literal_block, table_neutral
 from katsubushi_py.frontends.grpc_h2 import GrpcConnection
 from katsubushi_py.frontends.grpc_service import GrpcService
 from katsubushi_py.issuing.issuer import Issuer
@@ -237,6 +237,17 @@ def test_table_neutral_blocks() -> None:
     assert not table_neutral(b"\x20")  # a table size update
     assert not table_neutral(b"\x04\x09/pa")  # a string cut short
     assert not table_neutral(b"\xff\x80\x80\x80\x80\x80\x01")  # an integer too long
+
+
+@pytest.mark.parametrize("sizes", [(1, 1), (126, 0), (127, 127), (130, 1), (1, 5000)])
+def test_literal_blocks_decode_to_their_headers_and_leave_the_table_alone(sizes: tuple[int, int]) -> None:
+    from hpack import Decoder
+
+    headers = [(b":path", b"/katsubushi.Generator/Fetch"), (b"n" * sizes[0], b"v" * sizes[1])]
+    decoder = Decoder()
+    block = literal_block(headers)
+    assert decoder.decode(block, raw=True) == headers and table_neutral(block)
+    assert len(decoder.header_table.dynamic_entries) == 0
 
 
 def test_a_block_that_changes_the_table_clears_what_was_recognised() -> None:

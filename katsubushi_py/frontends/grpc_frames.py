@@ -141,6 +141,8 @@ def _hpack_int(value: int, prefix: int, first: int) -> bytes:
 def literal_block(headers: list[tuple[bytes, bytes]]) -> bytes:
     """An HPACK block of these headers as literals without indexing (new names, no Huffman): it
     decodes to them whatever the dynamic table holds, and changes nothing in it."""
+    if all(len(name) < 127 > len(value) for name, value in headers):  # lengths of one byte each
+        return b"".join([b"\x00%c%b%c%b" % (len(name), name, len(value), value) for name, value in headers])
     return b"".join(
         b"\x00" + _hpack_int(len(name), 7, 0) + name + _hpack_int(len(value), 7, 0) + value for name, value in headers
     )
