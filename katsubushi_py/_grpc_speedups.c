@@ -42,6 +42,8 @@
 
 static PyObject *str_receive_slow, *str_commands, *str_ids, *empty_bytes;
 
+static Py_ssize_t member_offset(PyObject *obj, const char *name);
+
 /* The reply's header blocks: see REPLY_HEADERS, REPLY_BLOCK, TRAILERS, TRAILERS_BLOCK in grpc_frames.py. */
 static const unsigned char REPLY_HEAD[5] = {0x00, 0x00, 0x14, 0x01, 0x04};
 static const unsigned char REPLY_BLOCK[20] = {0x88, 0x0f, 0x10, 0x10, 'a', 'p', 'p', 'l', 'i', 'c',
@@ -71,6 +73,7 @@ typedef struct {
     Pending pending[MAX_STREAMS];
     int npending;
     long long last_stream, out_window, peer_window, in_window, debt, activity, handed;
+    Py_ssize_t commands_at, ids_at; /* offsets of the counters' C integers (_speedups.Counters); -1: use attributes */
     double wait;
     char fast, closing;
 } GrpcCore;
@@ -211,6 +214,7 @@ GrpcCore_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
     Py_INCREF(empty_bytes);
     self->buffer = empty_bytes;
     self->out_window = self->peer_window = self->in_window = 65535;
+    self->commands_at = self->ids_at = -1;
     return (PyObject *)self;
 }
 
@@ -271,6 +275,10 @@ GrpcCore_core_init(GrpcCore *self, PyObject *const *args, Py_ssize_t nargs)
     Py_XSETREF(self->next_ids, next_ids);
     Py_INCREF(args[1]);
     Py_XSETREF(self->counters, args[1]);
+    self->commands_at = member_offset(args[1], "commands");
+    self->ids_at = member_offset(args[1], "ids");
+    if (PyErr_Occurred())
+        return NULL;
     Py_INCREF(empty_bytes);
     Py_XSETREF(self->buffer, empty_bytes);
     self->fast = 0;
@@ -388,9 +396,33 @@ GrpcCore_pending_frames(GrpcCore *self, PyObject *Py_UNUSED(ignored))
     return r;
 }
 
-static int
-bump(PyObject *obj, PyObject *name, long long by)
+/* The offset of a writable long long member of obj's type (the compiled Counters' commands and ids),
+ * so that counting costs no attribute lookups; -1 if it is not one (the pure-Python PyCounters). */
+static Py_ssize_t
+member_offset(PyObject *obj, const char *name)
 {
+    PyObject *descr = PyObject_GetAttrString((PyObject *)Py_TYPE(obj), name);
+    if (descr == NULL) {
+        PyErr_Clear();
+        return -1;
+    }
+    Py_ssize_t at = -1;
+    if (Py_IS_TYPE(descr, &PyMemberDescr_Type)) {
+        PyMemberDef *m = ((PyMemberDescrObject *)descr)->d_member;
+        if (m->type == T_LONGLONG && !(m->flags & READONLY))
+            at = m->offset;
+    }
+    Py_DECREF(descr);
+    return at;
+}
+
+static int
+bump(PyObject *obj, Py_ssize_t at, PyObject *name, long long by)
+{
+    if (at >= 0) {
+        *(long long *)((char *)obj + at) += by;
+        return 0;
+    }
     PyObject *v = PyObject_GetAttr(obj, name);
     if (v == NULL)
         return -1;
@@ -676,7 +708,8 @@ fast_pass(GrpcCore *self, PyObject *data, int *slow)
     }
     if (calls) {
         self->activity += calls;
-        if (bump(self->counters, str_commands, calls) < 0 || bump(self->counters, str_ids, issued) < 0)
+        if (bump(self->counters, self->commands_at, str_commands, calls) < 0 ||
+            bump(self->counters, self->ids_at, str_ids, issued) < 0)
             goto error;
     }
     if (!give_up) {
