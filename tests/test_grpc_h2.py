@@ -518,6 +518,20 @@ def test_a_generation_failure_is_unavailable_with_the_reason(fast: bool) -> None
         assert (reply.trailers or reply.headers)[b"katsubushi-reason"] == b"closed"
 
 
+def test_a_bug_in_a_method_answers_that_call_with_internal(caplog: pytest.LogCaptureFixture) -> None:
+    server, client, _ = connect(False)
+
+    def broken() -> list[tuple[str, object]]:
+        raise RuntimeError("a bug")
+
+    server._service.issuer.stats_fields = broken
+    sid = client.call(STATS)
+    after = client.call(FETCH)
+    exchange(server, client)
+    assert status(client, sid) == (b"200", b"13", b"internal error; see the daemon's log")
+    assert ok_ids(client, after) and "a bug" in caplog.text
+
+
 @BOTH
 def test_goodbye_is_goaway_naming_the_last_stream(fast: bool) -> None:
     server, client, _ = connect(fast)

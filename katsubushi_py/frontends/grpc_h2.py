@@ -221,6 +221,10 @@ class GrpcConnection(GrpcCore):
                 self._process(data, out)
         except ProtocolError as exc:
             self._broken(exc)
+        except Exception:  # as in _process: a bug must not leave the client hanging
+            log.exception("unexpected error in a gRPC connection")
+            self._h2.close_connection(ErrorCodes.INTERNAL_ERROR, b"internal error")
+            self.closing = True
         reply = self._finish(out)
         if self._fast and len(self._buffer) >= 9:  # the slow path stopped early: the rest is the fast path's
             reply += self.receive(b"")
@@ -557,6 +561,9 @@ class GrpcConnection(GrpcCore):
         except ClockWait as exc:
             self.wait = max(exc.seconds, 1e-4)
             return False
+        except Exception:  # a bug in a method: answer this call with it, as the HTTP front end does
+            log.exception("unexpected error answering a gRPC call")
+            reply = Reply(None, svc.INTERNAL, "internal error; see the daemon's log")
         if reply.message is not None:
             self._send_message(call, reply.message)
         self._trailers(call, reply.status, reply.text, reply.trailers)
