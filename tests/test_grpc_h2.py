@@ -188,6 +188,28 @@ def test_odd_headers_get_the_same_answer_on_both_paths(odd: str) -> None:
 
 
 @BOTH
+def test_a_call_split_across_frames_and_reads(fast: bool) -> None:
+    """Header blocks in HEADERS plus CONTINUATION frames, messages in several DATA frames, and all of it
+    read a byte at a time: the same answers."""
+    server, client, _ = connect(fast)
+    client.call(FETCH)
+    exchange(server, client)
+    client.h2.max_outbound_frame_size = 7  # h2 cuts header blocks into CONTINUATION frames of 7 bytes
+    sids = [client.open(FETCH_MULTI), client.open(FETCH)]
+    client.h2.max_outbound_frame_size = 16384
+    body = message(b"\x08\x05")
+    for at in range(0, len(body), 2):  # DATA frames of two bytes, the last one ending the stream
+        client.send(sids[0], body[at : at + 2], end=at + 2 >= len(body))
+    client.send(sids[1], b"\x00\x00", end=False)
+    client.send(sids[1], b"\x00\x00\x00", end=True)
+    exchange(server, client, cut=1)
+    assert len(ok_ids(client, sids[0])) == 5 and len(ok_ids(client, sids[1])) == 1
+    after = client.call(FETCH)
+    exchange(server, client)
+    assert ok_ids(client, after)
+
+
+@BOTH
 def test_fetch_multi_over_the_limit_is_invalid_argument(fast: bool) -> None:
     server, client, _ = connect(fast)
     sid = client.call(FETCH_MULTI, b"\x08" + varint(1001))
