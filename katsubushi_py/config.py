@@ -493,7 +493,7 @@ def parse_server_config(
     # As in go-katsubushi, port 0 (the default) means "no such listener".
     http_port = _int(given.get("http_port", 0), "http port", 0, 65535) or None
     grpc_port = _int(given.get("grpc_port", 0), "grpc port", 0, 65535) or None
-    if grpc_port is not None and not all(importlib.util.find_spec(m) for m in ("grpc", "grpc_reflection")):
+    if grpc_port is not None and not all(importlib.util.find_spec(m) for m in ("grpc", "grpc_reflection", "h2")):
         raise ConfigError(f"--grpc-port needs the grpc extra: {GRPC_INSTALL_HINT}")
     state_file, state_dir, state_source = _state_config(given, lease is not None, environ)
     if workers > 1 and state_file:

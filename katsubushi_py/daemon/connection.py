@@ -194,6 +194,7 @@ class ConnectionHandler(ProtocolCore, asyncio.Protocol):
             return
         if conn.activity == self._last_activity and self._wait_handle is None:
             log.debug("closing idle connection")
+            self._say_goodbye()
             transport.close()
             return
         self._last_activity = conn.activity
@@ -228,8 +229,18 @@ class ConnectionHandler(ProtocolCore, asyncio.Protocol):
             self._daemon.connection_closed()
         self._conn = _CLOSED
 
+    def _say_goodbye(self) -> None:
+        """A protocol with last words before a close (gRPC's GOAWAY) says them now."""
+        goodbye = getattr(self._conn, "goodbye", None)
+        transport = self._transport
+        if goodbye is not None and transport is not None and not transport.is_closing():
+            farewell = goodbye()
+            if farewell:
+                transport.write(farewell)
+
     def close(self) -> None:
         if self._transport is not None:
+            self._say_goodbye()
             self._transport.close()
 
     def abort(self) -> None:

@@ -129,10 +129,11 @@ def prepare_unix_socket(path: str) -> None:
 @dataclass
 class Listeners:
     """Listening sockets made elsewhere (by the ``--workers`` supervisor), served instead of binding
-    ``--port``, ``--sock`` and ``--http-port``."""
+    ``--port``, ``--sock``, ``--http-port`` and ``--grpc-port``."""
 
     memcached: list[socket.socket] = field(default_factory=list)
     http: list[socket.socket] = field(default_factory=list)
+    grpc: list[socket.socket] = field(default_factory=list)
 
 
 class Daemon:
@@ -159,7 +160,6 @@ class Daemon:
         self._all_closed: asyncio.Event | None = None
         self.addresses: list[str] = []
         self._own_socket = False
-        self.grpc_server: Any = None  # grpc.aio.Server, with the grpc extra
 
     def connection_closed(self) -> None:
         if self._all_closed is not None and not self.connections:
@@ -216,23 +216,21 @@ class Daemon:
             await self._listen_tcp(factory, port, "http://")
 
     async def _start_grpc(self, port: int) -> None:
-        from ..frontends.grpc_service import GrpcListenError, start_grpc_server
+        """gRPC over HTTP/2 (:mod:`~katsubushi_py.frontends.grpc_h2`) through the same glue as memcached
+        and HTTP (limit, counters, idle timeout, flow control, clock waits); h2 and protobuf load only here."""
+        from ..frontends.grpc_frames import TOO_MANY_CONNECTIONS
+        from ..frontends.grpc_h2 import GrpcConnection
+        from ..frontends.grpc_service import GrpcService
 
-        config = self.config
-        try:
-            self.grpc_server, bound = await start_grpc_server(
-                self.issuer,
-                config.host,
-                port,
-                idle_timeout=config.idle_timeout,
-                max_concurrent_rpcs=config.max_connections,
-            )
-        except GrpcListenError as exc:
-            await self.close_listeners()
-            raise StartupError(str(exc)) from None
-        self.addresses.append(
-            f"grpc://[{config.host}]:{bound}" if ":" in config.host else f"grpc://{config.host}:{bound}"
-        )
+        service = GrpcService(self.issuer)
+
+        def factory() -> ConnectionHandler:
+            return ConnectionHandler(self, lambda: GrpcConnection(service), TOO_MANY_CONNECTIONS)
+
+        if self.listeners is not None and self.listeners.grpc:
+            await self._serve_sockets(factory, self.listeners.grpc, "grpc://", direct=DIRECT)
+        else:
+            await self._listen_tcp(factory, port, "grpc://", direct=DIRECT)
 
     async def start(self) -> None:
         config = self.config
@@ -329,8 +327,6 @@ class Daemon:
         self.issuer.unavailable = "shutting down"
         for server in self.servers:
             server.close()
-        # gRPC calls in flight get the same grace, at the same time.
-        grpc_stopped = asyncio.ensure_future(self.grpc_server.stop(grace)) if self.grpc_server is not None else None
         self._all_closed = asyncio.Event()
         if self.connections:
             for handler in list(self.connections):
@@ -340,9 +336,6 @@ class Daemon:
             for handler in list(self.connections):
                 handler.abort()
         await self.close_listeners()
-        if grpc_stopped is not None:
-            await grpc_stopped
-            self.grpc_server = None
 
 
 def _lease_failure(keeper: LeaseKeeper, exc: BaseException) -> StartupError:

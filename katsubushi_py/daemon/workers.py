@@ -7,13 +7,12 @@ processes share nothing but the listening sockets. The cost is ID space: N worke
 
 How the sockets are shared:
 
-- **TCP** (memcached and HTTP): the supervisor opens one socket per process with ``SO_REUSEPORT``, all
+- **TCP** (memcached, HTTP and gRPC): the supervisor opens one socket per process with ``SO_REUSEPORT``, all
   bound to the same address, so the kernel spreads new connections over the processes. It keeps them
   open: a process that dies is restarted on the same socket, and connections that arrived meanwhile
   wait in its backlog rather than being refused.
 - **The unix socket** (and sockets passed by systemd): one listening socket, inherited by every
   process, which all accept from it. The supervisor owns the socket file and removes it at the end.
-- **gRPC** is served by the first process only (grpcio binds its own port).
 
 Worker ids: consecutive from ``--worker-id`` (or from a host name ordinal times N, see
 :mod:`katsubushi_py.config`), or each process leases its own from Redis. State files are per worker
@@ -182,7 +181,7 @@ def _die_with(supervisor: int) -> None:
 
 
 def child_config(config: ServerConfig, index: int) -> ServerConfig:
-    """Process ``index``'s configuration: its own worker id (or its own lease), gRPC only in the first."""
+    """Process ``index``'s configuration: its own worker id (or its own lease)."""
     worker_id = None if config.worker_id is None else config.worker_id + index
     source = config.worker_id_source if index == 0 else f"{config.worker_id_source} + {index} (worker process {index})"
     return replace(
@@ -190,7 +189,6 @@ def child_config(config: ServerConfig, index: int) -> ServerConfig:
         worker_id=worker_id,
         worker_id_source=source,
         workers=1,
-        grpc_port=config.grpc_port if index == 0 else None,
     )
 
 
@@ -232,6 +230,11 @@ class Supervisor:
                 per_process, reuseport_sockets(config.host, config.http_port, count, backlog), strict=True
             ):
                 listeners.http.append(sock)
+        if config.grpc_port is not None:
+            for listeners, sock in zip(
+                per_process, reuseport_sockets(config.host, config.grpc_port, count, backlog), strict=True
+            ):
+                listeners.grpc.append(sock)
         for listeners in per_process:
             listeners.memcached.extend(shared)
         self._shared = shared
@@ -247,7 +250,7 @@ class Supervisor:
 
     def close_listeners(self) -> None:
         for slot in self.slots:
-            for sock in [*slot.listeners.memcached, *slot.listeners.http]:
+            for sock in [*slot.listeners.memcached, *slot.listeners.http, *slot.listeners.grpc]:
                 with contextlib.suppress(OSError):
                     sock.close()
         if self._unix_path is not None:
@@ -266,9 +269,9 @@ class Supervisor:
                 signal.pthread_sigmask(signal.SIG_SETMASK, set())
                 for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGCHLD):
                     signal.signal(signum, signal.SIG_DFL)
-                mine = {id(sock) for sock in [*slot.listeners.memcached, *slot.listeners.http]}
+                mine = {id(sock) for sock in [*slot.listeners.memcached, *slot.listeners.http, *slot.listeners.grpc]}
                 for other in self.slots:  # another process's SO_REUSEPORT socket must not stay open here
-                    for sock in [*other.listeners.memcached, *other.listeners.http]:
+                    for sock in [*other.listeners.memcached, *other.listeners.http, *other.listeners.grpc]:
                         if id(sock) not in mine:
                             sock.close()
                 code = self.run_child(slot.config, slot.listeners, self.board, slot.index)
