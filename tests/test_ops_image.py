@@ -151,9 +151,10 @@ def built(tmp_path_factory: pytest.TempPathFactory) -> Built:
 @pytest.mark.once
 def test_the_build_stage_wheel_holds_the_compiled_extension(built: Built) -> None:
     names = zipfile.ZipFile(built.wheel).namelist()
-    extension = f"katsubushi_py/_speedups{sysconfig.get_config_var('EXT_SUFFIX')}"
-    assert extension in names, sorted(n for n in names if "_speedups" in n)
-    assert "katsubushi_py/_speedups.c" not in names
+    for module in ("_speedups", "_grpc_speedups"):
+        extension = f"katsubushi_py/{module}{sysconfig.get_config_var('EXT_SUFFIX')}"
+        assert extension in names, sorted(n for n in names if "_speedups" in n)
+        assert f"katsubushi_py/{module}.c" not in names
     assert re.fullmatch(r"katsubushi_py-[\d.]+-cp\d+-cp\d+-linux_\w+\.whl", built.wheel.name), built.wheel.name
 
 
@@ -213,6 +214,15 @@ def test_the_images_check_fails_the_build_without_the_compiled_path(unpacked: Pa
     missing = run_check(without)
     assert missing.returncode == 1
     assert missing.stderr.startswith("katsubushi-py: no compiled hot path in the image: not built (")
+    no_grpc = tmp_path / "site-without-grpc"
+    shutil.copytree(unpacked, no_grpc)
+    for module in no_grpc.glob("katsubushi_py/_grpc_speedups*.so"):
+        module.unlink()
+    missing_grpc = run_check(no_grpc)
+    assert missing_grpc.returncode == 1
+    assert missing_grpc.stderr == (
+        "katsubushi-py: no compiled hot path in the image: the gRPC fast path (_grpc_speedups) was not built\n"
+    )
 
 
 def test_the_dockerignore_keeps_compiled_files_out_of_the_copied_tree() -> None:
