@@ -44,6 +44,7 @@ from redis_servers import RedisServer, start_redis  # noqa: E402
 from katsubushi_py.issuing.generator import Generator  # noqa: E402
 from katsubushi_py.leasing import LeaseTimings, parse_redis_url  # noqa: E402
 from katsubushi_py.leasing.keeper import LeaseKeeper, init_pool  # noqa: E402
+from katsubushi_py.leasing.replies import RenewOutcome  # noqa: E402
 
 CHECK_INTERVAL = 0.1
 
@@ -53,9 +54,9 @@ class SimKeeper(LeaseKeeper):
 
     renew_times: list[float]
 
-    async def renew(self, high_water_ms: int) -> tuple[str, list[Any]]:
+    async def renew(self, high_water_ms: int, local_ms: int) -> RenewOutcome | None:
         self.renew_times.append(time.monotonic())
-        return await super().renew(high_water_ms)
+        return await super().renew(high_water_ms, local_ms)
 
 
 @dataclass
