@@ -338,6 +338,8 @@ def test_lease_tools(daemons: DaemonFactory, redis_server: RedisServer) -> None:
     assert [r["worker_id"] for r in rows] == list(range(1, 11))
     held = [r for r in rows if r["in_use"]]
     assert len(held) == 1 and held[0]["worker_id"] == decode(issued[0])[1] and held[0]["owner"]
+    assert [r["state"] for r in rows].count("held") == 1 and [r["state"] for r in rows].count("free") == 9
+    assert summary["redis_identity"] == summary["pool_identity"] and not summary["redis_changed_unseen"]
     assert held[0]["last_ms"] >= decode(issued[-1])[0]
 
 

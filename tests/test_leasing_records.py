@@ -306,7 +306,11 @@ def test_free_counts_ids_held_by_nobody_whatever_redis_clock_says(pool: Pool) ->
     assert isinstance(renewed, Renewed) and (renewed.free, renewed.total) == (3, 4)
 
 
-def test_the_clock_offset_a_renew_saw_is_kept_for_the_tools(pool: Pool) -> None:
-    got = pool.acquire(token="h")
-    pool.renew("h", 1, str(got.mark_ms), caller=pool.now() - 30_000)
-    assert 29_000 < int(pool.r.hget(POOL, "redis_clock_offset_ms")) < 31_000  # Redis minus the caller's clock
+def test_lease_stats_measures_redis_clock_against_its_own(server: RedisServer, pool: Pool) -> None:
+    import asyncio
+
+    from katsubushi_py.leasing.pool import pool_snapshot, pool_stats
+    from katsubushi_py.leasing.target import parse_redis_url
+
+    stats = pool_stats(asyncio.run(pool_snapshot(parse_redis_url(f"{server.url}?ns=r"))))
+    assert abs(stats["redis_clock_offset_ms"]) < 200 and stats["pool_size"] == 4

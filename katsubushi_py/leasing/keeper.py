@@ -169,7 +169,7 @@ class LeaseKeeper:
     async def check_clock(self) -> float:
         """Local wall clock minus Redis TIME, in seconds; refuse to go on above ``skew_max``, warn above
         ``skew_warn`` (judged by the least the offset can be, given the round trip)."""
-        skew, rtt = await self.link.clock_offset(self.skew_warn, self.skew_max)
+        skew, rtt = await self.link.clock_offset(self.skew_max)
         if abs(skew) - rtt / 2 > self.skew_warn:
             log.warning("local clock differs from Redis TIME by %+.3fs (round trip %.3fs)", skew, rtt)
         return skew

@@ -105,7 +105,7 @@ class RedisLink:
         return result, "", new_connection
 
     # -- the clock at start ----------------------------------------------------------------------
-    async def clock_offset(self, skew_warn: float, skew_max: float) -> tuple[float, float]:
+    async def clock_offset(self, skew_max: float) -> tuple[float, float]:
         """Local wall clock minus Redis TIME, in seconds, and the round trip it was judged by; refuse
         to go on above ``skew_max``.
 

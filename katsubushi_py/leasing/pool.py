@@ -5,6 +5,7 @@ under (a restart or failover that no daemon has touched the pool since shows as 
 from __future__ import annotations
 
 import statistics
+import time
 from typing import Any
 
 from .scripts import INIT_LUA
@@ -32,6 +33,7 @@ async def pool_snapshot(target: RedisTarget) -> dict[str, Any]:
     client = await connect(target, timeout=5)
     keys = target.keys()
     try:
+        sent = time.time()
         async with client.pipeline(transaction=True) as pipe:
             pipe.time()
             pipe.zrange(keys.ids, 0, -1, withscores=True)
@@ -42,6 +44,7 @@ async def pool_snapshot(target: RedisTarget) -> dict[str, Any]:
             pipe.info("server")
             pipe.info("replication")
             (seconds, micros), members, owners, last, counters, pool, server, replication = await pipe.execute()
+        received = time.time()
     finally:
         await client.aclose()
     now_ms = seconds * 1000 + micros // 1000
@@ -76,6 +79,9 @@ async def pool_snapshot(target: RedisTarget) -> dict[str, Any]:
         "counters": {_text(k): int(v) for k, v in counters.items()},
         "pool": pool_t,
         "redis_identity": f"{server.get('run_id', '-')}/{replication.get('master_replid', '-')}",
+        # Redis TIME minus this host's clock (the middle of the round trip): a step of Redis's clock
+        # shows here, and in the daemons' STATS lease_redis_clock_offset_ms.
+        "redis_clock_offset_ms": now_ms - int((sent + received) * 500),
     }
 
 
@@ -141,5 +147,5 @@ def pool_stats(snapshot: dict[str, Any]) -> dict[str, Any]:
         },
         # Leases expired by Redis's clock left to their holder, whose mark was ahead of the acquirer's clock.
         "skipped_live_leases": counters.get("skipped_live_leases", 0),
-        "redis_clock_offset_ms": number("redis_clock_offset_ms"),
+        "redis_clock_offset_ms": snapshot["redis_clock_offset_ms"],
     }

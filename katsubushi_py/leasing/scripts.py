@@ -45,7 +45,7 @@ every script takes them: ``ids`` (sorted set: worker id scored by lease expiry),
 holder's token), ``last_ms`` (id -> handover mark), ``released`` (ids released cleanly or whose
 quarantine ends), ``stats`` (counters), ``pool`` (epoch, created_ms, origin, min, max,
 recovering_until_ms, recovery_mark_ms, version, identity, identity_before, changed_ms,
-doubt_until_ms, doubt_mark_ms, redis_clock_offset_ms, format).
+doubt_until_ms, doubt_mark_ms, format).
 """
 
 from __future__ import annotations
@@ -368,7 +368,6 @@ if hw > mark then
 end
 redis.call('HINCRBY', KEYS[5], 'renew_success', 1)
 local version = redis.call('HINCRBY', KEYS[6], 'version', 1)
-redis.call('HSET', KEYS[6], 'redis_clock_offset_ms', now - caller)
 local total = redis.call('ZCARD', KEYS[1])
 local free = total - redis.call('HLEN', KEYS[2])
 return {1, now, expiry, tonumber(pool[2]), version, free, total, mark, doubt, changed_ms, change}
