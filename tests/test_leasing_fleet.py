@@ -153,10 +153,12 @@ def test_stats_says_held_only_once_the_fence_is_lifted() -> None:
     generator.close()
 
 
+@pytest.mark.once
 def test_fleet_simulation_small_run(tmp_path: Path) -> None:
-    """100 holders, short timings: start, steady state, churn, rolling restart and a Redis restart,
-    with no id served by two holders at once (checked every 100 ms), one round trip per renew, and
-    renews spread over the interval rather than in one burst."""
+    """100 holders, short timings: start, steady state, churn, rolling restart, a Redis restart, and
+    Redis restarted from a fresh snapshot and from one older than the ttl, with no id served by two
+    holders at once (checked every 100 ms), one round trip per renew, and renews spread over the
+    interval rather than in one burst."""
     out = tmp_path / "fleet.json"
     result = subprocess.run(
         [
@@ -167,7 +169,7 @@ def test_fleet_simulation_small_run(tmp_path: Path) -> None:
         ],
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=180,
     )
     assert result.returncode == 0, result.stdout + result.stderr[-3000:]
     figures = json.loads(out.read_text())
@@ -177,6 +179,12 @@ def test_fleet_simulation_small_run(tmp_path: Path) -> None:
     assert figures["steady_busiest_tenth_share"] < 0.3  # spread: one burst would be ~1.0, even 0.1
     assert figures["redis_restart_from_loss_s"] >= 3 + 2 * 1  # the recovery wait was waited out
     assert figures["data_loss_events_seen"] >= 100
+    # A restart that lost no holder's last renew stops (nearly) nobody (a renew between the snapshot and
+    # the kill stops its holder); a holder started then waits for the doubt window.
+    assert figures["snapshot_fresh_kept"] >= 90
+    assert figures["snapshot_fresh_joiner_s"] >= 3 + 2 * 1 - 2.0
+    # One older than the ttl: every holder stops, and the fleet serves again after the doubt window.
+    assert figures["snapshot_old_kept"] == 0 and figures["snapshot_old_all_serving_s"] >= 3 + 2 * 1
 
 
 def test_lease_start_timeout_ends_with_one_line(tmp_path: Path) -> None:
