@@ -162,6 +162,37 @@ def _lease_metrics(fields: dict[str, object]) -> Iterator[Metric]:
         "Worker ids of the pool free at the last renew",
         value=_number(fields.get("lease_pool_free")),
     )
+    # Restarts and failovers of Redis, quarantines and Redis's clock (issue 21).
+    yield CounterMetricFamily(
+        "katsubushi_lease_redis_changes",
+        "Restarts or failovers of Redis this daemon learned of (the pool's Redis run_id or master_replid changed)",
+        value=_number(fields.get("lease_redis_changes")),
+    )
+    yield CounterMetricFamily(
+        "katsubushi_lease_kept_through_change",
+        "Times this daemon's lease was kept through a Redis restart or failover (its record intact)",
+        value=_number(fields.get("lease_kept_through_change")),
+    )
+    yield CounterMetricFamily(
+        "katsubushi_lease_quarantined_ids",
+        "Worker ids this daemon quarantined in Redis (never released, damaged, in doubt, state file conflicts)",
+        value=_number(fields.get("lease_quarantined_ids")),
+    )
+    yield CounterMetricFamily(
+        "katsubushi_lease_skipped_live_leases",
+        "Leases expired by Redis's clock that this daemon left to their holder (its mark still ahead)",
+        value=_number(fields.get("lease_skipped_live_leases")),
+    )
+    yield CounterMetricFamily(
+        "katsubushi_lease_redis_clock_steps",
+        "Jumps of Redis's clock against this host's, seen across renews",
+        value=_number(fields.get("lease_redis_clock_steps")),
+    )
+    yield GaugeMetricFamily(
+        "katsubushi_lease_redis_clock_offset_seconds",
+        "Redis TIME minus this host's clock, at the last renew",
+        value=_number(fields.get("lease_redis_clock_offset_ms")) / 1000,
+    )
 
 
 def _number(value: object) -> float:

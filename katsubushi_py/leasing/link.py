@@ -1,0 +1,163 @@
+"""The keeper's connection to Redis: running a script (and ``WAIT`` for replicas) in one round trip,
+noticing when the connection under it changed, waiting for a release to be announced, and the clock
+check at start.
+
+**Replicas.** If the Redis master has replicas, each acquire and renew waits (``WAIT``, pipelined on
+the same connection as the script) for a majority of them; a failed wait is a failed renew, never a
+success. The replica count is asked (pipelined too) every minute and after a failed wait, not on
+every renew.
+
+**A new connection may be a new Redis.** ``CLIENT ID`` rides in the same pipeline: a different id
+means the client reconnected (redis-py may do so by itself), perhaps to a restarted or promoted
+Redis, and the keeper then asks the pool to compare the Redis it was written under with this one (see
+``IDENTITY_LUA``), so that a restart is seen within a round trip of the first holder reconnecting.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import random
+import time
+from typing import TYPE_CHECKING, Any
+
+from .target import LeaseError, RedisTarget, connect, released_channel
+from .timings import LeaseTimings
+
+if TYPE_CHECKING:
+    from .recovery import LeaseStats
+
+# How often the replica count is asked for (and after any WAIT that fell short).
+_REPLICA_CHECK_INTERVAL = 60.0
+# Round trips of the clock check: the one with the shortest round trip tells the offset best.
+_CLOCK_SAMPLES = 3
+
+
+class RedisLink:
+    def __init__(self, target: RedisTarget, timings: LeaseTimings, stats: LeaseStats) -> None:
+        self.target = target
+        self.keys = target.keys()
+        self.channel = released_channel(target)
+        self.timings = timings
+        self.stats = stats  # counts round trips
+        self.client: Any = None
+        self.connection_id: int | None = None  # CLIENT ID of the connection the last script ran on
+        self._replicas: int | None = None
+        self._replicas_checked = 0.0
+        self._pubsub: Any = None
+
+    async def get(self) -> Any:
+        if self.client is None:
+            self.client = await connect(self.target, timeout=max(0.5, self.timings.renew / 2))
+            self._replicas = None  # a new connection may be a new master: ask again
+        return self.client
+
+    async def drop(self) -> None:
+        client, self.client = self.client, None
+        await self.unsubscribe()
+        if client is not None:
+            with contextlib.suppress(Exception):
+                await client.aclose()
+
+    async def run(self, script: str, args: list[Any], durable: bool = True) -> tuple[list[Any], str, bool]:
+        """Run a script and, with ``durable`` and if the master has replicas, WAIT for a majority: one
+        round trip (the script and the WAIT pipelined on one connection), two when the replica count is
+        refreshed.
+
+        Returns (result, problem, new_connection): ``problem`` is "" or why the write cannot be counted
+        as durable; ``new_connection`` whether it ran on another connection than the last script."""
+        client = await self.get()
+        keys = self.keys.all
+        wait_ms = int(self.timings.renew * 250)
+        now = time.monotonic()
+        refresh = durable and (self._replicas is None or now - self._replicas_checked >= _REPLICA_CHECK_INTERVAL)
+        replicas = self._replicas or 0
+        needed = replicas // 2 + 1
+        pipe = client.pipeline(transaction=False)
+        pipe.eval(script, len(keys), *keys, *args)
+        pipe.execute_command("CLIENT", "ID")
+        if refresh:
+            pipe.info("replication")
+        elif durable and replicas:
+            pipe.execute_command("WAIT", needed, wait_ms)
+        replies = await pipe.execute()
+        self.stats.round_trips += 1
+        result = replies[0]
+        connection = int(replies[1])
+        new_connection, self.connection_id = connection != self.connection_id, connection
+        if not durable:
+            return result, "", new_connection
+        if refresh:
+            replicas = self._replicas = int(replies[2].get("connected_slaves", 0))
+            self._replicas_checked = now
+            if not replicas:
+                return result, "", new_connection
+            needed = replicas // 2 + 1
+            acked = int(await client.execute_command("WAIT", needed, wait_ms))
+            self.stats.round_trips += 1
+        elif replicas:
+            acked = int(replies[2])
+        else:
+            return result, "", new_connection
+        if acked < needed:
+            self._replicas = None  # maybe a replica went away: count them again next time
+            return result, f"only {acked} of {replicas} replicas acknowledged (needed {needed})", new_connection
+        return result, "", new_connection
+
+    # -- the clock at start ----------------------------------------------------------------------
+    async def clock_offset(self, skew_max: float) -> tuple[float, float]:
+        """Local wall clock minus Redis TIME, in seconds, and the round trip it was judged by; refuse
+        to go on above ``skew_max``.
+
+        The offset is known only to within half the round trip (Redis read its clock somewhere in it),
+        so it is judged by the sample with the shortest round trip, and what counts is the least the
+        offset can be: a busy event loop (a long round trip) alone never looks like a skew."""
+        client = await self.get()
+        best: tuple[float, float] | None = None  # (round trip, offset)
+        for _ in range(_CLOCK_SAMPLES):
+            sent_wall, sent = time.time(), time.perf_counter()
+            seconds, micros = await client.time()
+            rtt = time.perf_counter() - sent
+            offset = sent_wall + rtt / 2 - (seconds + micros / 1e6)
+            if best is None or rtt < best[0]:
+                best = (rtt, offset)
+        assert best is not None
+        rtt, skew = best
+        if abs(skew) - rtt / 2 > skew_max:
+            raise LeaseError(
+                f"local clock differs from Redis TIME by {skew:+.3f}s (more than --clock-skew-max"
+                f" {skew_max:g}s): fix NTP on this host or on Redis before leasing a worker id"
+            )
+        return skew, rtt
+
+    # -- waiting for a release -------------------------------------------------------------------
+    async def unsubscribe(self) -> None:
+        pubsub, self._pubsub = self._pubsub, None
+        if pubsub is not None:
+            with contextlib.suppress(Exception):
+                await pubsub.aclose()
+
+    async def wait_for_release(self, seconds: float) -> None:
+        """Sleep up to ``seconds``, waking early when a release is announced. The first call only
+        subscribes (the caller then tries again at once, so a release between its last try and the
+        subscription is not missed)."""
+        if self._pubsub is None:
+            try:
+                client = await self.get()
+                pubsub = client.pubsub()
+                await pubsub.subscribe(self.channel)
+                self._pubsub = pubsub
+                return
+            except Exception:
+                await self.unsubscribe()  # no subscription: poll instead
+                await asyncio.sleep(seconds)
+                return
+        end = time.monotonic() + seconds
+        try:
+            while (left := end - time.monotonic()) > 0:
+                message = await self._pubsub.get_message(ignore_subscribe_messages=True, timeout=left)
+                if message is not None:
+                    await asyncio.sleep(random.uniform(0, 0.05))  # not all waiters in the same millisecond
+                    return
+        except Exception:
+            await self.unsubscribe()
