@@ -193,6 +193,38 @@ def _lease_metrics(fields: dict[str, object]) -> Iterator[Metric]:
         "Redis TIME minus this host's clock, at the last renew",
         value=_number(fields.get("lease_redis_clock_offset_ms")) / 1000,
     )
+    # Following the master through a Sentinel or Cluster failover, and the replica wait (issue 24).
+    yield CounterMetricFamily(
+        "katsubushi_lease_master_changes",
+        "Times the pool's Redis master moved to another address (a Sentinel or Cluster failover) and was followed",
+        value=_number(fields.get("lease_master_changes")),
+    )
+    since = _number(fields.get("lease_since_renew_ms"))
+    yield GaugeMetricFamily(
+        "katsubushi_lease_since_renew_seconds",
+        "Time since the last confirmed lease renew (-1 before the first): how long the daemon has been without Redis",
+        value=since / 1000 if since >= 0 else -1.0,
+    )
+    yield GaugeMetricFamily(
+        "katsubushi_lease_longest_renew_gap_seconds",
+        "Longest time between two confirmed renews under the current lease",
+        value=_number(fields.get("lease_longest_renew_gap_ms")) / 1000,
+    )
+    yield CounterMetricFamily(
+        "katsubushi_lease_renew_outages",
+        "Stretches of failed renews that ended with a confirmed renew (Redis back, or a new master followed)",
+        value=_number(fields.get("lease_renew_outages")),
+    )
+    yield GaugeMetricFamily(
+        "katsubushi_lease_replicas_expected",
+        "Replicas every lease write must reach (the most the master has had since it started or was promoted)",
+        value=_number(fields.get("lease_replicas_expected")),
+    )
+    yield CounterMetricFamily(
+        "katsubushi_lease_replica_ack_failures",
+        "Lease writes that not every expected replica acknowledged in time (not counted as renewed or acquired)",
+        value=_number(fields.get("lease_replica_ack_failures")),
+    )
 
 
 def _number(value: object) -> float:

@@ -12,12 +12,14 @@ successor knows how far we may have issued), after any barrier or doubt window t
 once this host's clock has passed the handover mark (so that it never answers ``clock moved
 backwards`` while claiming to serve).
 
-**Vouching.** The holder remembers the handover marks its record may hold (the one it last saw written,
-and, for each renew whose answer never came, what that renew would have written: every renew raises
-the mark to the holder's clock plus the ttl, so each write leaves its own value), and that its lease
-never lapsed (every renew sent before its deadline). With both it can vouch for its record after Redis
-restarted or failed over: nobody else can have leased the id while its lease was live, and Redis still
-holds a write of its own that covers every ID it issued, so it keeps serving.
+**Vouching.** The holder remembers the range of handover marks its record may hold: from the one it
+last saw confirmed up to the highest that a renew whose answer never came, or that no replica
+acknowledged, may have written (every renew raises the mark to the holder's clock plus the ttl, so each
+write leaves a higher value), and that its lease never lapsed (every renew sent before its deadline).
+With both it can vouch for its record after Redis restarted or failed over: nobody else can have leased
+the id while its lease was live, and Redis still holds a write of its own that covers every ID it
+issued, so it keeps serving. A range, not a list: a failover can take seconds of renews retried every
+fraction of a second, and a replica promoted may hold any of them.
 """
 
 from __future__ import annotations
@@ -30,10 +32,6 @@ from .replies import Acquired, Lease, Renewed
 from .timings import LeaseTimings
 
 NOT_CONFIRMED = "worker id lease not confirmed"
-
-
-# How many renews in a row may go unanswered before the holder stops tracking what its record may hold.
-_MAX_UNSEEN = 16
 
 
 class Holding:
@@ -51,8 +49,8 @@ class Holding:
         self.since_ms = acquired.now_ms  # Redis's clock when we took it
         # The pool's write counter as of our last write: lower later means the pool went back in time.
         self.version_seen = acquired.version
-        # The handover marks the record may hold (None: lost track).
-        self.marks: list[int] | None = [acquired.mark_ms]
+        # The handover marks the record may hold: [the last confirmed] or [that, the highest since].
+        self.marks: list[int] = [acquired.mark_ms]
         # Nobody else can lease the id before its expiry in Redis, which is later than this.
         self.good_until = sent + timings.ttl - timings.margin
         self.deadline = 0.0  # no ID before the first renew has stored our high-water mark
@@ -77,19 +75,19 @@ class Holding:
 
     # -- renewing --------------------------------------------------------------------------------
     def vouch(self, now: float) -> tuple[str, int]:
-        """(marks, good) for the renew script: the marks the record may hold, comma-separated ('' when
-        lost track); good 1 while the lease has never lapsed (sent before the deadline)."""
+        """(marks, good) for the renew script: the lowest and highest mark the record may hold,
+        comma-separated (one when they are the same); good 1 while the lease has never lapsed (sent
+        before the deadline)."""
         good = 1 if now < self.good_until else 0
-        return ("" if self.marks is None else ",".join(map(str, self.marks))), good
+        return ",".join(map(str, self.marks)), good
+
+    def _may_hold(self, mark_ms: int) -> None:
+        confirmed, highest = self.marks[0], max(self.marks)
+        self.marks = [confirmed] if max(highest, mark_ms) == confirmed else [confirmed, max(highest, mark_ms)]
 
     def unanswered(self, high_water_ms: int) -> None:
         """A renew that stores ``high_water_ms`` got no answer: it may or may not have been written."""
-        if self.marks is None:
-            return
-        if len(self.marks) >= _MAX_UNSEEN:
-            self.marks = None
-            return
-        self.marks.append(max(max(self.marks), high_water_ms))
+        self._may_hold(high_water_ms)
 
     def renewed(self, sent: float, received: float, reply: Renewed) -> None:
         timings = self.timings
@@ -106,11 +104,10 @@ class Holding:
             self.recovering_until = max(self.recovering_until, until)
 
     def written(self, reply: Renewed) -> None:
-        """A renew executed on the master (we saw its answer) but does not count: a replica majority did
-        not acknowledge it, so a replica promoted later may hold the mark before it, or this one. The
+        """A renew executed on the master (we saw its answer) but does not count: its replicas did not
+        acknowledge it, so a replica promoted later may hold the mark before it, or this one. The
         deadline does not move."""
-        if self.marks is not None:
-            self.marks = [*self.marks[-(_MAX_UNSEEN - 1) :], reply.mark_ms]
+        self._may_hold(reply.mark_ms)
 
     def retry_soon(self, now: float) -> None:
         """Both attempts of a renew failed: again soon (a short blip must not fence us), with jitter."""

@@ -48,7 +48,7 @@ from ..issuing.errors import StateFileError
 from ..issuing.generator import Generator
 from ..issuing.statefile import StateFile, StateFileInUse
 from .holder import NOT_CONFIRMED, Holding, RedisClockWatch
-from .link import RedisLink
+from .link import NotSent, RedisLink
 from .pool import init_pool
 from .recovery import LeaseStats, Reporter
 from .replies import Acquired, Lease, Renewed, RenewOutcome, parse_acquire, parse_identity, parse_renew
@@ -120,6 +120,10 @@ class LeaseKeeper:
         # deadline passes (a timer), one INFO line when a renew lets issuing resume.
         self._expiry_timer: asyncio.TimerHandle | None = None
         self._stopped_since = 0.0  # monotonic seconds; 0 while issuing (or not holding a lease)
+        # Renews: when the last one was confirmed, and since when (and how often) they have failed.
+        self._last_renewed = 0.0
+        self._failing_since = 0.0
+        self._failed_renews = 0
 
     @property
     def lease(self) -> Lease | None:
@@ -228,10 +232,18 @@ class LeaseKeeper:
                     await self.link.wait_for_release(min(self.timings.renew, until_free) * random.uniform(1.0, 1.1))
                     continue
                 if problem:
+                    # Not on every replica: a replica promoted now may not know of it. Never served under.
                     worker_id = acquired.lease.worker_id
-                    log.warning("worker id %d: acquire not durable (%s); releasing and retrying", worker_id, problem)
+                    if self._every("acquire-not-durable", _WAIT_LOG_INTERVAL):
+                        log.warning(
+                            "worker id %d: acquire not acknowledged by the replicas (%s); releasing it and retrying",
+                            worker_id,
+                            problem,
+                        )
                     with contextlib.suppress(Exception):
                         await self._release(acquired.lease, -1)
+                    where = self.link.address or self.target.display
+                    self._wait(f"the replicas of {where} do not acknowledge ({problem})")
                     await asyncio.sleep(backoff.next())
                     continue
                 self.stats.acquires += 1
@@ -256,7 +268,8 @@ class LeaseKeeper:
                 result, problem, new_connection = await self.link.run(RENEW_LUA, args)
                 break
             except Exception as exc:
-                holding.unanswered(high_water_ms)
+                if not isinstance(exc, NotSent):  # sent, maybe written: its mark may be in the record
+                    holding.unanswered(high_water_ms)
                 await self.link.drop()
                 if attempt == 1:
                     self.stats.renew_retries += 1
@@ -269,7 +282,12 @@ class LeaseKeeper:
             return outcome
         if problem:
             holding.written(outcome)
-            log.warning("renewing worker id %d not durable: %s", lease.worker_id, problem)
+            if self._every("renew-failed", _WAIT_LOG_INTERVAL):
+                log.warning(
+                    "renewing worker id %d not confirmed: %s (a replica promoted now might not hold it)",
+                    lease.worker_id,
+                    problem,
+                )
             return None
         holding.version_seen = max(holding.version_seen, outcome.version)
         self._occupancy(outcome.free, outcome.total)
@@ -343,7 +361,7 @@ class LeaseKeeper:
                 describe(exc),
             )
         finally:
-            await self.link.drop()
+            await self.link.close()
 
     # -- taking an id ----------------------------------------------------------------------------
     async def _lease_new_id(self, generator: Generator, deadline: float | None) -> None:
@@ -381,6 +399,8 @@ class LeaseKeeper:
         after_ms = max(acquired.handover_ms, generator.last_issued_ms or 0)
         holding = Holding(acquired, self.timings, sent, received, self._local_ms(), after_ms)
         self.holding = holding
+        self._last_renewed = self._failing_since = 0.0  # renew gaps are counted within one lease
+        self._failed_renews = 0
         self._waiting_for = ""
         self.stats.waiting_since = 0.0
         if self.on_change is not None:
@@ -520,6 +540,7 @@ class LeaseKeeper:
             received = time.monotonic()
             if isinstance(outcome, Renewed):
                 self.stats.renewals += 1
+                self._renew_gap(holding, received)
                 holding.renewed(sent, received, outcome)
                 self._observe_clock(outcome, local_ms, received - sent)
                 self.report.news(outcome)
@@ -527,9 +548,38 @@ class LeaseKeeper:
                     self.report.kept(holding.worker_id)
             elif outcome is None:
                 self.stats.renew_failures += 1
+                if not self._failing_since:
+                    self._failing_since = sent
+                self._failed_renews += 1
                 holding.retry_soon(time.monotonic())
             else:
                 await self._lost(generator, outcome)
+
+    def _renew_gap(self, holding: Holding, received: float) -> None:
+        """A renew confirmed the lease: how long since the one before (the longest is kept), and, after
+        renews that failed, one line saying Redis is back, where, and how long the daemon was without it."""
+        stats = self.stats
+        if self._last_renewed:
+            gap = received - self._last_renewed
+            stats.longest_renew_gap_ms = max(stats.longest_renew_gap_ms, int(gap * 1000))
+        else:
+            gap = 0.0
+        self._last_renewed = received
+        if self._failing_since:
+            stats.renew_outages += 1
+            left = holding.deadline - received
+            log.info(
+                "renewed worker id %d on %s again: %.1fs without a confirmed renew (%d attempts failed; %s)",
+                holding.worker_id,
+                self.link.address or self.target.display,
+                gap or received - self._failing_since,
+                self._failed_renews,
+                f"the lease had {left:.1f}s left, issuing never stopped"
+                if left > 0
+                else f"issuing had stopped for {-left:.1f}s",
+            )
+            self._failing_since = 0.0
+            self._failed_renews = 0
 
     async def _lost(self, generator: Generator, outcome: RenewOutcome) -> None:
         """The id is not ours any more (or Redis forgot it): stop at once, say why, lease another."""
@@ -585,4 +635,11 @@ class LeaseKeeper:
             ("lease_skipped_live_leases", stats.skipped_live_leases),
             ("lease_redis_clock_steps", stats.redis_clock_steps),
             ("lease_redis_clock_offset_ms", stats.redis_clock_offset_ms),
+            ("lease_redis_address", stats.redis_address or "-"),
+            ("lease_master_changes", stats.master_changes),
+            ("lease_since_renew_ms", int((time.monotonic() - self._last_renewed) * 1000) if self._last_renewed else -1),
+            ("lease_longest_renew_gap_ms", stats.longest_renew_gap_ms),
+            ("lease_renew_outages", stats.renew_outages),
+            ("lease_replicas_expected", stats.replicas_expected),
+            ("lease_replica_ack_failures", stats.replica_ack_failures),
         ]

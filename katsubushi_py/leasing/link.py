@@ -1,34 +1,56 @@
 """The keeper's connection to Redis: running a script (and ``WAIT`` for replicas) in one round trip,
-noticing when the connection under it changed, waiting for a release to be announced, and the clock
-check at start.
+noticing when the connection under it changed, following the master (:mod:`.nodes`), waiting for a
+release to be announced, and the clock check at start.
 
-**Replicas.** If the Redis master has replicas, each acquire and renew waits (``WAIT``, pipelined on
-the same connection as the script) for a majority of them; a failed wait is a failed renew, never a
-success. The replica count is asked (pipelined too) every minute and after a failed wait, not on
-every renew.
+**Replicas.** A lease write counts (an acquire is served, a renew moves the deadline) only once every
+replica the master has had since it last started or was promoted has acknowledged it (``WAIT``,
+pipelined on the same connection as the script). The number is the most replicas that master has had
+connected, recorded in the pool under the master's identity (``REPLICAS_LUA``): a replica that
+disconnects, or a link that is cut, lowers nothing, so a master cut off from its replicas (the old
+master on the wrong side of a partition, while Sentinel promotes a replica) cannot confirm a single
+lease: its daemons stop at their deadline instead of issuing beside the new master's. A new master (a
+promotion, a restart) starts from its own count. The count is asked (pipelined too) on every new
+connection, every minute, and after a ``WAIT`` that fell short. ``replica_acks=N`` in the URL waits for
+exactly N instead (0: none), as Redis's own ``min-replicas-to-write`` does.
+
+What that buys: every write the keeper counted is on every replica that master had, so whichever of
+them is promoted holds every confirmed lease and renew; a write that was not acknowledged was never
+served under, and the holder remembers the marks it may have left (see ``holder``).
 
 **A new connection may be a new Redis.** ``CLIENT ID`` rides in the same pipeline: a different id
-means the client reconnected (redis-py may do so by itself), perhaps to a restarted or promoted
-Redis, and the keeper then asks the pool to compare the Redis it was written under with this one (see
-``IDENTITY_LUA``), so that a restart is seen within a round trip of the first holder reconnecting.
+means the client reconnected, perhaps to a restarted or promoted Redis, and the keeper then asks the
+pool to compare the Redis it was written under with this one (see ``IDENTITY_LUA``), so that a restart
+is seen within a round trip of the first holder reconnecting.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import random
 import time
 from typing import TYPE_CHECKING, Any
 
-from .target import LeaseError, RedisTarget, connect, released_channel
-from .timings import LeaseTimings
+from .nodes import NodeFinder
+from .scripts import REPLICAS_LUA
+from .target import LeaseError, RedisTarget, released_channel
+from .timings import LeaseTimings, describe
 
 if TYPE_CHECKING:
     from .recovery import LeaseStats
 
+log = logging.getLogger("katsubushi_py")
+
 # How often the replica count is asked for (and after any WAIT that fell short).
 _REPLICA_CHECK_INTERVAL = 60.0
+
+
+class NotSent(ConnectionError):
+    """No connection to the node could be made (or the node could not be found): nothing was sent, so
+    the write certainly did not happen."""
+
+
 # Round trips of the clock check: the one with the shortest round trip tells the offset best.
 _CLOCK_SAMPLES = 3
 
@@ -42,15 +64,42 @@ class RedisLink:
         self.stats = stats  # counts round trips
         self.client: Any = None
         self.connection_id: int | None = None  # CLIENT ID of the connection the last script ran on
+        self.finder = NodeFinder(target, timeout=max(0.5, timings.renew / 2))
+        self.address = ""  # the node the client talks to (host:port), "" before the first connection
         self._replicas: int | None = None
         self._replicas_checked = 0.0
         self._pubsub: Any = None
 
     async def get(self) -> Any:
         if self.client is None:
-            self.client = await connect(self.target, timeout=max(0.5, self.timings.renew / 2))
+            self.client, address = await self.finder.connect()
             self._replicas = None  # a new connection may be a new master: ask again
+            if address != self.address:
+                if self.address:
+                    self.stats.master_changes += 1
+                    where = self.target.display
+                    log.warning("Redis master for %s changed: %s -> %s; following it", where, self.address, address)
+                self.address = address
+                self.stats.redis_address = address
         return self.client
+
+    async def connected(self) -> Any:
+        """The client, with a live connection to the node: raises :class:`NotSent` when none can be made
+        (the node cannot be found or does not answer a connect), so that a caller knows nothing was sent."""
+        try:
+            client = await self.get()
+            pool = client.connection_pool
+            connection = await pool.get_connection()
+            await pool.release(connection)  # the pipeline takes this very connection next
+        except Exception as exc:
+            raise NotSent(describe(exc)) from exc
+        return client
+
+    async def close(self) -> None:
+        """Drop the connection and what the finder keeps (Sentinel and cluster clients)."""
+        await self.drop()
+        with contextlib.suppress(Exception):
+            await self.finder.aclose()
 
     async def drop(self) -> None:
         client, self.client = self.client, None
@@ -60,25 +109,29 @@ class RedisLink:
                 await client.aclose()
 
     async def run(self, script: str, args: list[Any], durable: bool = True) -> tuple[list[Any], str, bool]:
-        """Run a script and, with ``durable`` and if the master has replicas, WAIT for a majority: one
-        round trip (the script and the WAIT pipelined on one connection), two when the replica count is
-        refreshed.
+        """Run a script and, with ``durable``, WAIT for the replicas it must reach (see the module's
+        docstring): one round trip (the script and the WAIT pipelined on one connection), two when the
+        replica count is asked for. Raises :class:`NotSent` when no connection could be made.
 
         Returns (result, problem, new_connection): ``problem`` is "" or why the write cannot be counted
         as durable; ``new_connection`` whether it ran on another connection than the last script."""
-        client = await self.get()
+        client = await self.connected()
         keys = self.keys.all
         wait_ms = int(self.timings.renew * 250)
         now = time.monotonic()
-        refresh = durable and (self._replicas is None or now - self._replicas_checked >= _REPLICA_CHECK_INTERVAL)
-        replicas = self._replicas or 0
-        needed = replicas // 2 + 1
+        fixed = self.target.replica_acks
+        refresh = (
+            durable
+            and fixed is None
+            and (self._replicas is None or now - self._replicas_checked >= _REPLICA_CHECK_INTERVAL)
+        )
+        needed = fixed if fixed is not None else (self._replicas or 0)
         pipe = client.pipeline(transaction=False)
         pipe.eval(script, len(keys), *keys, *args)
         pipe.execute_command("CLIENT", "ID")
         if refresh:
-            pipe.info("replication")
-        elif durable and replicas:
+            pipe.eval(REPLICAS_LUA, len(keys), *keys)
+        elif durable and needed:
             pipe.execute_command("WAIT", needed, wait_ms)
         replies = await pipe.execute()
         self.stats.round_trips += 1
@@ -88,20 +141,21 @@ class RedisLink:
         if not durable:
             return result, "", new_connection
         if refresh:
-            replicas = self._replicas = int(replies[2].get("connected_slaves", 0))
+            needed = self._replicas = int(replies[2])
             self._replicas_checked = now
-            if not replicas:
+            self.stats.replicas_expected = needed
+            if not needed:
                 return result, "", new_connection
-            needed = replicas // 2 + 1
             acked = int(await client.execute_command("WAIT", needed, wait_ms))
             self.stats.round_trips += 1
-        elif replicas:
+        elif needed:
             acked = int(replies[2])
         else:
             return result, "", new_connection
         if acked < needed:
-            self._replicas = None  # maybe a replica went away: count them again next time
-            return result, f"only {acked} of {replicas} replicas acknowledged (needed {needed})", new_connection
+            self.stats.replica_ack_failures += 1
+            self._replicas = None  # ask again: the count never drops for that, but it may have grown
+            return result, f"only {acked} of {needed} replicas acknowledged it within {wait_ms} ms", new_connection
         return result, "", new_connection
 
     # -- the clock at start ----------------------------------------------------------------------

@@ -8,8 +8,9 @@ import statistics
 import time
 from typing import Any
 
+from .nodes import connect
 from .scripts import INIT_LUA
-from .target import RedisTarget, connect
+from .target import RedisTarget
 from .timings import new_epoch
 
 

@@ -39,6 +39,14 @@ class LeaseStats:
     skipped_live_leases: int = 0  # leases expired by Redis's clock that it left to their holder
     redis_clock_steps: int = 0  # jumps of Redis's clock against this host's, seen across renews
     redis_clock_offset_ms: int = 0  # Redis TIME minus this host's clock, at the last renew
+    # Following the master (Sentinel, Cluster): where the pool's Redis is now, how often that changed,
+    # the longest time between two confirmed renews, and stretches of failed renews that ended.
+    redis_address: str = ""
+    master_changes: int = 0
+    longest_renew_gap_ms: int = 0
+    renew_outages: int = 0
+    replicas_expected: int = 0  # replicas each lease write must reach (see link.py)
+    replica_ack_failures: int = 0  # writes that not every one of them acknowledged in time
 
 
 def _at(ms: int) -> str:

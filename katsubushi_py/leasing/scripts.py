@@ -21,12 +21,13 @@ master has replicas, the keeper waits (``WAIT``, pipelined on the same connectio
   another identity opens a *doubt window* until ``now + wait``: any id leased in it is not served
   before the window ends and starts after ``doubt_mark_ms``, and a holder that cannot vouch for its own
   record (below) loses its id. A holder that can vouch keeps serving: only what is in doubt stops.
-- **A holder vouches for its record** at every renew: it sends the handover marks its record may hold
-  (the one it last saw written, and what a renew whose answer never came would have written; every
-  renew raises the mark) and whether its lease never lapsed on its own clock. A record that holds none
-  of them was rewritten (lost writes, an edit): the id is quarantined and a doubt window opened. A
-  holder whose lease lapsed (Redis unreachable, a pause) or that lost track of its writes, renewing in a
-  doubt window, loses its id too (someone may have leased it in the writes that were lost).
+- **A holder vouches for its record** at every renew: it sends the range of handover marks its record
+  may hold (from the one it last saw confirmed to the highest that a renew whose answer never came, or
+  that no replica acknowledged, may have written; every renew raises the mark) and whether its lease
+  never lapsed on its own clock. A record whose mark is outside that range was rewritten (lost writes,
+  an edit): the id is quarantined and a doubt window opened. A holder whose lease lapsed (Redis
+  unreachable, a pause), renewing in a doubt window, loses its id too (someone may have leased it in
+  the writes that were lost).
   docs/leasing.md gives the argument why that is enough.
 - **Record checks at acquire** (what an id that looks free must be to be taken), in ``check_record``:
   released cleanly (a release entry, no owner entry, a handover mark): free. An owner entry and no
@@ -45,7 +46,8 @@ every script takes them: ``ids`` (sorted set: worker id scored by lease expiry),
 holder's token), ``last_ms`` (id -> handover mark), ``released`` (ids released cleanly or whose
 quarantine ends), ``stats`` (counters), ``pool`` (epoch, created_ms, origin, min, max,
 recovering_until_ms, recovery_mark_ms, version, identity, identity_before, changed_ms,
-doubt_until_ms, doubt_mark_ms, format).
+doubt_until_ms, doubt_mark_ms, format, and replicas / replicas_under: the replica count lease writes
+wait for, and the master identity it was counted under).
 """
 
 from __future__ import annotations
@@ -275,8 +277,9 @@ return {-1, now, next_free, 0, 0, barrier, created, pool[1], quarantined, 0, ski
 
 # KEYS: the six. ARGV: token id ttl_ms high_water_ms epoch wait_ms skew_ms version_seen min max new_epoch
 #       marks good caller_now_ms.
-# marks: the handover marks the holder's record may hold, comma-separated: the one it last saw written,
-# and what a renew whose answer never came would have written ('': it lost track). good: 1 while its
+# marks: the handover marks the holder's record may hold, comma-separated: the one it last saw confirmed,
+# and the highest that a renew whose answer never came (or that no replica acknowledged) may have
+# written; any mark between them is one of its own ('': it lost track). good: 1 while its
 # lease never lapsed on its own clock (every renew sent before its deadline).
 # Returns {1, now, expiry, recovering_until_ms, version, free, total, mark, doubt_until_ms, changed_ms, change}:
 #          renewed; free and total count the pool's ids (free: held by nobody), for occupancy warnings
@@ -326,10 +329,15 @@ if owner ~= token then
 end
 local expiry_found = tonumber(redis.call('ZSCORE', KEYS[1], id) or '-1')
 local mark = tonumber(redis.call('HGET', KEYS[3], id) or '-1')
-local known, written = marks ~= '', false
+-- The holder wrote every mark from the one it last saw confirmed up to the highest its unconfirmed
+-- renews may have left (each renew raises the mark): a record holding one of them is its own.
+local known, lo, hi = marks ~= '', nil, nil
 for m in string.gmatch(marks, '[^,]+') do
-  if tonumber(m) == mark then written = true end
+  m = tonumber(m)
+  if lo == nil or m < lo then lo = m end
+  if hi == nil or m > hi then hi = m end
 end
+local written = known and mark >= lo and mark <= hi
 local rolled = tonumber(pool[3]) < seen
 if rolled or (known and not written) then
   -- Not what its holder wrote: writes were lost (a restart, a failover, a restore) or the record was
@@ -420,5 +428,32 @@ local wait, skew, ttl, caller = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(A
 local change = check_identity(wait, cover(ttl, skew, caller))
 local cur = redis.call('HMGET', KEYS[6], 'doubt_until_ms', 'changed_ms')
 return {change, now, tonumber(cur[1] or '0'), tonumber(cur[2] or '0')}
+"""
+)
+
+# KEYS: the six. No ARGV. Returns how many replicas every lease write must reach (see link.py): the most
+# replicas this master has had connected since it last started or was promoted. Recorded in the pool
+# under the master's identity (run_id/master_replid), so a daemon that connects to a master later, or
+# again, knows it too: a master cut off from its replicas (connected_slaves 0) is still waited on for
+# them. A new identity (a restart, a promotion) starts from its own count.
+REPLICAS_LUA = (
+    _NOW
+    + _HELPERS
+    + """
+local r = redis.call('INFO', 'replication')
+local n = tonumber(string.match(r, 'connected_slaves:(%d+)') or '0')
+if redis.call('EXISTS', KEYS[6]) == 0 then return n end
+local id = server_identity()
+local cur = redis.call('HMGET', KEYS[6], 'replicas_under', 'replicas')
+if cur[1] ~= id then
+  redis.call('HSET', KEYS[6], 'replicas_under', id, 'replicas', n)
+  return n
+end
+local most = tonumber(cur[2] or '0')
+if n > most then
+  redis.call('HSET', KEYS[6], 'replicas', n)
+  return n
+end
+return most
 """
 )
