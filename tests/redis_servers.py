@@ -176,3 +176,175 @@ def start_redis(workdir: Path, *extra: str, port: int | None = None, env: dict[s
         except redis.RedisError:
             time.sleep(0.05)
     raise RuntimeError("redis-server did not start")
+
+
+# -- Sentinel ---------------------------------------------------------------------------------------
+SERVICE = "kp"
+
+
+@dataclass
+class Sentinel:
+    """A redis-sentinel process (Debian's, or ``redis-server --sentinel``) watching one master as
+    ``SERVICE``; its configuration file is its own (Sentinel rewrites it)."""
+
+    proc: subprocess.Popen[bytes]
+    port: int
+    workdir: Path
+
+    def client(self) -> redis.Redis:
+        return redis.Redis(host="127.0.0.1", port=self.port, socket_timeout=5, decode_responses=True)
+
+    def master(self) -> dict[str, object]:
+        return self.client().sentinel_master(SERVICE)
+
+    def master_port(self) -> int | None:
+        """The port Sentinel names as the master now (None: it names none)."""
+        try:
+            found = self.client().sentinel_get_master_addr_by_name(SERVICE)
+        except redis.RedisError:
+            return None
+        return int(found[1]) if found else None
+
+    def log(self) -> str:
+        return (self.workdir / "sentinel.log").read_text(errors="replace")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(10)
+
+
+def sentinel_binary() -> list[str]:
+    found = shutil.which("redis-sentinel")
+    return [found] if found else [redis_binary(), "--sentinel"]  # the same program, in Sentinel mode
+
+
+def start_sentinel(
+    workdir: Path,
+    master_port: int,
+    down_after_ms: int = 1000,
+    failover_timeout_ms: int = 3000,
+    *,
+    port: int | None = None,
+    myid: str = "",
+    known: str = "",
+) -> Sentinel:
+    """A Sentinel on a free port, monitoring the master on ``master_port`` (quorum 2 of 3). ``myid``
+    and ``known`` (``sentinel known-...`` lines) let a test start sentinels that already know each
+    other and the replica, instead of waiting seconds for their hello messages."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    port = port or free_port()
+    conf = workdir / "sentinel.conf"
+    conf.write_text(
+        f"port {port}\nbind 127.0.0.1\ndir {workdir}\n"
+        + (f"sentinel myid {myid}\n" if myid else "")
+        + f"sentinel monitor {SERVICE} 127.0.0.1 {master_port} 2\n"
+        f"sentinel down-after-milliseconds {SERVICE} {down_after_ms}\n"
+        f"sentinel failover-timeout {SERVICE} {failover_timeout_ms}\n"
+        f"sentinel parallel-syncs {SERVICE} 1\n" + known
+    )
+    log = open(workdir / "sentinel.log", "ab")  # noqa: SIM115 - kept open for the process's life
+    proc = subprocess.Popen(
+        [*sentinel_binary(), str(conf)], stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL
+    )
+    sentinel = Sentinel(proc, port, workdir)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"redis-sentinel exited: {sentinel.log()}")
+        with contextlib.suppress(redis.RedisError):
+            if sentinel.client().ping():
+                return sentinel
+        time.sleep(0.05)
+    raise RuntimeError("redis-sentinel did not start")
+
+
+@dataclass
+class SentinelSetup:
+    """One master, one replica, three sentinels: what docs/leasing.md's High availability example runs."""
+
+    master: RedisServer
+    replica: RedisServer
+    sentinels: list[Sentinel]
+    workdir: Path
+
+    @property
+    def url(self) -> str:
+        hosts = ",".join(f"127.0.0.1:{s.port}" for s in self.sentinels)
+        return f"redis+sentinel://{hosts}/{SERVICE}"
+
+    def master_port(self) -> int | None:
+        """The master as a majority of the sentinels name it."""
+        named = [s.master_port() for s in self.sentinels]
+        best = max(set(named), key=named.count)
+        return best if named.count(best) >= 2 else None
+
+    def cut_replication(self) -> None:
+        """The replica stops receiving the master's writes, yet stays up and answers Sentinel (which
+        may promote it): it is told a wrong password for the master and its link is dropped, so each
+        reconnection fails at AUTH. Writes from now on are on the master only."""
+        self.replica.client().config_set("masterauth", "cut-off")
+        self.master.client().client_kill_filter(_type="replica")
+
+    def kill_master(self, timeout: float = 30.0) -> tuple[float, float]:
+        """SIGKILL the master (and let a cut-off replica take part again); returns when it was killed
+        (monotonic) and how long until a majority of the sentinels named the replica instead."""
+        killed = time.monotonic()
+        self.master.stop()
+        self.replica.client().config_set("masterauth", "")
+        while self.master_port() != self.replica.port:
+            if time.monotonic() - killed > timeout:
+                raise RuntimeError("Sentinel did not promote the replica")
+            time.sleep(0.02)
+        return killed, time.monotonic() - killed
+
+    def stop(self) -> None:
+        for s in self.sentinels:
+            s.stop()
+        self.master.stop()
+        self.replica.stop()
+
+
+def start_sentinel_setup(workdir: Path, down_after_ms: int = 1000, failover_timeout_ms: int = 3000) -> SentinelSetup:
+    """Returns once the replica is in sync and every sentinel knows the replica and the two others."""
+    # No 5 s wait before a diskless full sync (Redis 7's default): replicas sync at once.
+    fast = ("--repl-diskless-sync-delay", "0")
+    master = start_redis(workdir / "master", *fast)
+    replica = start_redis(workdir / "replica", *fast, "--replicaof", "127.0.0.1", str(master.port))
+    sentinels: list[Sentinel] = []
+    setup = SentinelSetup(master, replica, sentinels, workdir)
+    try:
+        deadline = time.monotonic() + 15
+        # Streaming, not only synced: after a diskless sync the master waits for the replica's first
+        # acknowledgement (up to a second) before it streams writes to it.
+        while master.client().execute_command("WAIT", 1, 100) != 1:
+            if time.monotonic() > deadline:
+                raise RuntimeError("the replica did not sync")
+        ports = [free_port() for _ in range(3)]
+        ids = [os.urandom(20).hex() for _ in range(3)]
+        for i in range(3):
+            known = f"sentinel known-replica {SERVICE} 127.0.0.1 {replica.port}\n" + "".join(
+                f"sentinel known-sentinel {SERVICE} 127.0.0.1 {ports[j]} {ids[j]}\n" for j in range(3) if j != i
+            )
+            sentinels.append(
+                start_sentinel(
+                    workdir / f"sentinel{i}",
+                    master.port,
+                    down_after_ms,
+                    failover_timeout_ms,
+                    port=ports[i],
+                    myid=ids[i],
+                    known=known,
+                )
+            )
+        while not all(
+            int(m["num-other-sentinels"]) == 2 and int(m["num-slaves"]) == 1 for m in (s.master() for s in sentinels)
+        ):
+            if time.monotonic() > deadline:
+                raise RuntimeError("the sentinels did not find each other and the replica")
+            time.sleep(0.1)
+    except BaseException:
+        setup.stop()
+        raise
+    return setup

@@ -268,6 +268,21 @@ def test_a_renew_whose_answer_never_came_does_not_break_vouching(pool: Pool) -> 
     assert isinstance(pool.renew("h", 1, f"{got.mark_ms},{written}"), Renewed)
 
 
+def test_any_mark_between_the_confirmed_one_and_the_highest_written_vouches(pool: Pool) -> None:
+    """A failover retried for seconds leaves the record at the confirmed mark or at any unconfirmed one
+    written since (a promoted replica holds a prefix of them): the holder sends the range, not a list."""
+    got = pool.acquire(token="h")
+    confirmed = pool.renew("h", 1, str(got.mark_ms))
+    assert isinstance(confirmed, Renewed)
+    highest = confirmed.mark_ms + 5000
+    pool.r.hset(MARKS, 1, confirmed.mark_ms + 1234)  # one of the unconfirmed renews, as a replica kept it
+    restart(pool)
+    assert isinstance(pool.renew("h", 1, f"{confirmed.mark_ms},{highest}"), Renewed)
+    pool.r.hset(MARKS, 1, confirmed.mark_ms - 1)  # before the confirmed one: it may have issued past it
+    lost = pool.renew("h", 1, f"{confirmed.mark_ms},{highest}")
+    assert isinstance(lost, RecordLost) and lost.what == "record changed"
+
+
 def test_a_pool_gone_back_in_time_is_noticed_by_its_write_counter(pool: Pool) -> None:
     got = pool.acquire(token="h")
     lost = pool.renew("h", 1, str(got.mark_ms), seen=got.version + 10)
