@@ -348,3 +348,88 @@ def start_sentinel_setup(workdir: Path, down_after_ms: int = 1000, failover_time
         setup.stop()
         raise
     return setup
+
+
+# -- Redis Cluster -----------------------------------------------------------------------------------
+@dataclass
+class ClusterSetup:
+    """Three masters with a replica each (``redis-cli --cluster create ... --cluster-replicas 1``)."""
+
+    nodes: list[RedisServer]
+
+    def alive(self) -> list[RedisServer]:
+        return [n for n in self.nodes if n.proc.poll() is None]
+
+    def slot_nodes(self, key: str) -> tuple[RedisServer, list[RedisServer]]:
+        """The master that owns ``key``'s slot now, and its replicas, as a live node sees it."""
+        client = self.alive()[0].client()
+        slot = client.cluster("keyslot", key)
+        by_port = {n.port: n for n in self.nodes}
+        for low, high, master, *replicas in client.execute_command("CLUSTER", "SLOTS"):
+            if low <= slot <= high:
+                return by_port[int(master[1])], [by_port[int(r[1])] for r in replicas]
+        raise RuntimeError(f"slot {slot} is not covered")
+
+    def url(self, *seeds: RedisServer) -> str:
+        return "rediscluster://" + ",".join(f"127.0.0.1:{n.port}" for n in seeds)
+
+    def stop(self) -> None:
+        for n in self.nodes:
+            n.stop()
+
+
+def start_cluster(workdir: Path, node_timeout_ms: int = 1000) -> ClusterSetup:
+    """Returns once the cluster is up and every master streams to its replica."""
+    nodes: list[RedisServer] = []
+    setup = ClusterSetup(nodes)
+    try:
+        for i in range(6):
+            directory = workdir / f"node{i}"
+            nodes.append(
+                start_redis(
+                    directory,
+                    "--cluster-enabled",
+                    "yes",
+                    "--cluster-config-file",
+                    str(directory / "nodes.conf"),
+                    "--cluster-node-timeout",
+                    str(node_timeout_ms),
+                    "--repl-diskless-sync-delay",
+                    "0",
+                )
+            )
+        created = subprocess.run(
+            [
+                redis_binary("redis-cli"),
+                "--cluster",
+                "create",
+                *(f"127.0.0.1:{n.port}" for n in nodes),
+                "--cluster-replicas",
+                "1",
+                "--cluster-yes",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        if created.returncode != 0:
+            raise RuntimeError(created.stdout + created.stderr)
+        deadline = time.monotonic() + 20
+        while not all(n.client().cluster("info")["cluster_state"] == "ok" for n in nodes):
+            if time.monotonic() > deadline:
+                raise RuntimeError("the cluster did not come up")
+            time.sleep(0.05)
+        masters = [n for n in nodes if n.client().info("replication")["role"] == "master"]
+        for master in masters:
+            while master.client().execute_command("WAIT", 1, 100) != 1:
+                if time.monotonic() > deadline:
+                    raise RuntimeError("a replica did not sync")
+        # Every node knows every replica (the slot map lists one per master): a failover can pick it.
+        while not all(all(len(entry) == 4 for entry in n.client().execute_command("CLUSTER", "SLOTS")) for n in nodes):
+            if time.monotonic() > deadline:
+                raise RuntimeError("the cluster did not learn of its replicas")
+            time.sleep(0.05)
+    except BaseException:
+        setup.stop()
+        raise
+    return setup
