@@ -9,6 +9,7 @@ daemons on each side and every ID recorded.
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -104,6 +105,8 @@ def test_a_replica_that_vanishes_is_still_waited_for(pair: tuple[RedisServer, Re
     master.client().client_kill_filter(_type="replica")
     wait_until(lambda: master.client().info("replication")["connected_slaves"] == 0, timeout=5)
     assert expected(master) == 1  # never fewer because one vanished
+    summary = json.loads(run_tool("lease", "stats", "--redis", f"{master.url}?ns=t").stdout)
+    assert summary["replicas_expected"] == 1 and summary["replicas_connected"] == 0
 
 
 def test_a_promoted_replica_counts_its_own(pair: tuple[RedisServer, RedisServer]) -> None:

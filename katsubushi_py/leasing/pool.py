@@ -80,6 +80,7 @@ async def pool_snapshot(target: RedisTarget) -> dict[str, Any]:
         "counters": {_text(k): int(v) for k, v in counters.items()},
         "pool": pool_t,
         "redis_identity": f"{server.get('run_id', '-')}/{replication.get('master_replid', '-')}",
+        "replicas_connected": int(replication.get("connected_slaves", 0)),
         # Redis TIME minus this host's clock (the middle of the round trip): a step of Redis's clock
         # shows here, and in the daemons' STATS lease_redis_clock_offset_ms.
         "redis_clock_offset_ms": now_ms - int((sent + received) * 500),
@@ -149,4 +150,11 @@ def pool_stats(snapshot: dict[str, Any]) -> dict[str, Any]:
         # Leases expired by Redis's clock left to their holder, whose mark was ahead of the acquirer's clock.
         "skipped_live_leases": counters.get("skipped_live_leases", 0),
         "redis_clock_offset_ms": snapshot["redis_clock_offset_ms"],
+        # The replica wait (issue 24): how many replicas each lease write must reach (the most this master
+        # has had since it started or was promoted, as the daemons recorded it; null before any did),
+        # and how many are connected now.
+        "replicas_expected": (
+            number("replicas") if pool.get("replicas_under") == snapshot["redis_identity"] else None
+        ),
+        "replicas_connected": snapshot["replicas_connected"],
     }
