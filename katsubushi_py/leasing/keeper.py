@@ -9,8 +9,10 @@ The pieces, each with one concern:
 - :mod:`.holder`: one lease's state (self-fencing deadline, when it may serve, what it can vouch for)
   and a watch on Redis's clock.
 - :mod:`.recovery`: what the daemon counts and logs for each finding.
-- :mod:`.link`: the connection (scripts and ``WAIT`` in one round trip, reconnects noticed, release
-  announcements, the clock check).
+- :mod:`.link`: the connection (scripts and ``WAIT`` for the replicas in one round trip, reconnects
+  noticed, release announcements, the clock check); :mod:`.nodes` finds the node (the URL's, the
+  master Sentinel names, the cluster's slot master) and keeps what it learned across reconnects.
+- :mod:`.outages`: time without Redis (stopping at the deadline, resuming, renews succeeding again).
 - this module: the keeper's life, acquiring, renewing, moving to a new id when a lease is lost, and
   releasing.
 
@@ -43,12 +45,12 @@ import random
 import time
 from collections.abc import Callable
 
-from ..ids.layout import format_time, ms_to_datetime
 from ..issuing.errors import StateFileError
 from ..issuing.generator import Generator
 from ..issuing.statefile import StateFile, StateFileInUse
 from .holder import NOT_CONFIRMED, Holding, RedisClockWatch
 from .link import NotSent, RedisLink
+from .outages import RenewWatch
 from .pool import init_pool
 from .recovery import LeaseStats, Reporter
 from .replies import Acquired, Lease, Renewed, RenewOutcome, parse_acquire, parse_identity, parse_renew
@@ -116,14 +118,9 @@ class LeaseKeeper:
         self._task: asyncio.Task[None] | None = None
         self._logged: dict[str, float] = {}
         self._nearly_full = False
-        # Stopping to issue because no renew confirmed the lease in time: one ERROR line when the
-        # deadline passes (a timer), one INFO line when a renew lets issuing resume.
-        self._expiry_timer: asyncio.TimerHandle | None = None
-        self._stopped_since = 0.0  # monotonic seconds; 0 while issuing (or not holding a lease)
-        # Renews: when the last one was confirmed, and since when (and how often) they have failed.
-        self._last_renewed = 0.0
-        self._failing_since = 0.0
-        self._failed_renews = 0
+        # Time without Redis: the lines when issuing stops at the deadline, resumes, and renews succeed again.
+        where = lambda: self.link.address or target.display  # noqa: E731 - the node followed, for messages
+        self.watch = RenewWatch(self.stats, timings, lambda: self.holding, lambda: self._stopping, where)
 
     @property
     def lease(self) -> Lease | None:
@@ -165,7 +162,7 @@ class LeaseKeeper:
         elif kind != self._waiting_for.split(" (")[0]:
             self._logged.pop("waiting", None)  # something new to wait for: say so now
         self._waiting_for = why
-        self._disarm_expiry()
+        self.watch.disarm()
         self.serving.clear()
         reason = f"{WAITING}: {why}"
         if self.generator is not None:
@@ -399,8 +396,7 @@ class LeaseKeeper:
         after_ms = max(acquired.handover_ms, generator.last_issued_ms or 0)
         holding = Holding(acquired, self.timings, sent, received, self._local_ms(), after_ms)
         self.holding = holding
-        self._last_renewed = self._failing_since = 0.0  # renew gaps are counted within one lease
-        self._failed_renews = 0
+        self.watch.new_lease()
         self._waiting_for = ""
         self.stats.waiting_since = 0.0
         if self.on_change is not None:
@@ -463,55 +459,7 @@ class LeaseKeeper:
             if now < holding.deadline and not self.serving.is_set():
                 self.serving.set()
                 log.info("serving worker id %d", generator.worker_id)
-            self._arm_expiry(now)
-
-    # -- stopping and resuming at the lease's deadline -------------------------------------------
-    def _arm_expiry(self, now: float) -> None:
-        """Say once when the deadline passes without a confirmed renew, and once when issuing resumes."""
-        deadline = self.holding.deadline if self.holding is not None else 0.0
-        if self._stopped_since and now < deadline:
-            log.info(
-                "resumed issuing under worker id %d: a renew confirmed the lease (stopped for %.1fs)",
-                self.lease.worker_id if self.lease else -1,
-                now - self._stopped_since,
-            )
-            self._stopped_since = 0.0
-        self._disarm_expiry()
-        if deadline and not self._stopped_since:
-            try:
-                loop = asyncio.get_running_loop()
-            except RuntimeError:  # called outside the daemon's loop (a test of the fence alone): no line to log
-                return
-            self._expiry_timer = loop.call_later(max(0.0, deadline - now), self._expired)
-
-    def _disarm_expiry(self) -> None:
-        if self._expiry_timer is not None:
-            self._expiry_timer.cancel()
-            self._expiry_timer = None
-        if self.holding is None:
-            self._stopped_since = 0.0
-
-    def _expired(self) -> None:
-        self._expiry_timer = None
-        now = time.monotonic()
-        holding = self.holding
-        if holding is None or self._stopping or not holding.deadline:
-            return
-        deadline = holding.deadline
-        if now < deadline:  # renewed meanwhile (the timer was early): wait for the new deadline
-            self._expiry_timer = asyncio.get_running_loop().call_later(deadline - now, self._expired)
-            return
-        self._stopped_since = now
-        wall = time.time() - (now - deadline)
-        confirmed = wall - (self.timings.ttl - self.timings.margin)
-        log.error(
-            "stopped issuing: lease on worker id %d expired at %s (no renew confirmed by %s since %s); requests"
-            " answer SERVER_ERROR until a renew succeeds",
-            holding.worker_id,
-            format_time(ms_to_datetime(int(wall * 1000))),
-            self.target.display,
-            format_time(ms_to_datetime(int(confirmed * 1000))),
-        )
+            self.watch.arm(now)
 
     async def _maintain(self, generator: Generator) -> None:
         timings = self.timings
@@ -540,7 +488,7 @@ class LeaseKeeper:
             received = time.monotonic()
             if isinstance(outcome, Renewed):
                 self.stats.renewals += 1
-                self._renew_gap(holding, received)
+                self.watch.renewed(holding, received)
                 holding.renewed(sent, received, outcome)
                 self._observe_clock(outcome, local_ms, received - sent)
                 self.report.news(outcome)
@@ -548,38 +496,10 @@ class LeaseKeeper:
                     self.report.kept(holding.worker_id)
             elif outcome is None:
                 self.stats.renew_failures += 1
-                if not self._failing_since:
-                    self._failing_since = sent
-                self._failed_renews += 1
+                self.watch.failed(sent)
                 holding.retry_soon(time.monotonic())
             else:
                 await self._lost(generator, outcome)
-
-    def _renew_gap(self, holding: Holding, received: float) -> None:
-        """A renew confirmed the lease: how long since the one before (the longest is kept), and, after
-        renews that failed, one line saying Redis is back, where, and how long the daemon was without it."""
-        stats = self.stats
-        if self._last_renewed:
-            gap = received - self._last_renewed
-            stats.longest_renew_gap_ms = max(stats.longest_renew_gap_ms, int(gap * 1000))
-        else:
-            gap = 0.0
-        self._last_renewed = received
-        if self._failing_since:
-            stats.renew_outages += 1
-            left = holding.deadline - received
-            log.info(
-                "renewed worker id %d on %s again: %.1fs without a confirmed renew (%d attempts failed; %s)",
-                holding.worker_id,
-                self.link.address or self.target.display,
-                gap or received - self._failing_since,
-                self._failed_renews,
-                f"the lease had {left:.1f}s left, issuing never stopped"
-                if left > 0
-                else f"issuing had stopped for {-left:.1f}s",
-            )
-            self._failing_since = 0.0
-            self._failed_renews = 0
 
     async def _lost(self, generator: Generator, outcome: RenewOutcome) -> None:
         """The id is not ours any more (or Redis forgot it): stop at once, say why, lease another."""
@@ -595,7 +515,7 @@ class LeaseKeeper:
     async def stop(self, last_ms: int) -> None:
         """Stop renewing (or waiting), then release the id with the last issued millisecond."""
         self._stopping = True
-        self._disarm_expiry()
+        self.watch.disarm()
         task = self._task
         if task is not None and task is not asyncio.current_task():
             task.cancel()
@@ -637,7 +557,7 @@ class LeaseKeeper:
             ("lease_redis_clock_offset_ms", stats.redis_clock_offset_ms),
             ("lease_redis_address", stats.redis_address or "-"),
             ("lease_master_changes", stats.master_changes),
-            ("lease_since_renew_ms", int((time.monotonic() - self._last_renewed) * 1000) if self._last_renewed else -1),
+            ("lease_since_renew_ms", self.watch.since_renew_ms()),
             ("lease_longest_renew_gap_ms", stats.longest_renew_gap_ms),
             ("lease_renew_outages", stats.renew_outages),
             ("lease_replicas_expected", stats.replicas_expected),

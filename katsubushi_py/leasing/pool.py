@@ -153,8 +153,6 @@ def pool_stats(snapshot: dict[str, Any]) -> dict[str, Any]:
         # The replica wait (issue 24): how many replicas each lease write must reach (the most this master
         # has had since it started or was promoted, as the daemons recorded it; null before any did),
         # and how many are connected now.
-        "replicas_expected": (
-            number("replicas") if pool.get("replicas_under") == snapshot["redis_identity"] else None
-        ),
+        "replicas_expected": (number("replicas") if pool.get("replicas_under") == snapshot["redis_identity"] else None),
         "replicas_connected": snapshot["replicas_connected"],
     }
