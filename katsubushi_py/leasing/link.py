@@ -66,6 +66,7 @@ class RedisLink:
         self.connection_id: int | None = None  # CLIENT ID of the connection the last script ran on
         self.finder = NodeFinder(target, timeout=max(0.5, timings.renew / 2))
         self.address = ""  # the node the client talks to (host:port), "" before the first connection
+        self._fresh = False  # a client not connected yet
         self._replicas: int | None = None
         self._replicas_checked = 0.0
         self._pubsub: Any = None
@@ -73,6 +74,7 @@ class RedisLink:
     async def get(self) -> Any:
         if self.client is None:
             self.client, address = await self.finder.connect()
+            self._fresh = True
             self._replicas = None  # a new connection may be a new master: ask again
             if address != self.address:
                 if self.address:
@@ -84,13 +86,17 @@ class RedisLink:
         return self.client
 
     async def connected(self) -> Any:
-        """The client, with a live connection to the node: raises :class:`NotSent` when none can be made
-        (the node cannot be found or does not answer a connect), so that a caller knows nothing was sent."""
+        """The client, connected to the node: raises :class:`NotSent` when a new client cannot find the
+        node or connect to it, so that a caller knows nothing was sent. (Only for a new client: a failed
+        round trip drops the client, so every retry after a failure comes here; on a client in use the
+        check would cost a tenth of a renew's client time.)"""
         try:
             client = await self.get()
-            pool = client.connection_pool
-            connection = await pool.get_connection()
-            await pool.release(connection)  # the pipeline takes this very connection next
+            if self._fresh:
+                pool = client.connection_pool
+                connection = await pool.get_connection()
+                await pool.release(connection)  # the pipeline takes this very connection next
+                self._fresh = False
         except Exception as exc:
             raise NotSent(describe(exc)) from exc
         return client
@@ -126,6 +132,8 @@ class RedisLink:
             and (self._replicas is None or now - self._replicas_checked >= _REPLICA_CHECK_INTERVAL)
         )
         needed = fixed if fixed is not None else (self._replicas or 0)
+        if fixed is not None:
+            self.stats.replicas_expected = fixed
         pipe = client.pipeline(transaction=False)
         pipe.eval(script, len(keys), *keys, *args)
         pipe.execute_command("CLIENT", "ID")
