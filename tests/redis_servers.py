@@ -45,6 +45,11 @@ class RedisServer:
     def url(self) -> str:
         return f"redis://127.0.0.1:{self.port}/0"
 
+    @property
+    def address(self) -> str:
+        """host:port, as the daemons' STATS ``lease_redis_address`` and log lines name a node."""
+        return f"127.0.0.1:{self.port}"
+
     def client(self) -> redis.Redis:
         return redis.Redis(host="127.0.0.1", port=self.port, socket_timeout=5)
 

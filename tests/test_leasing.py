@@ -251,7 +251,7 @@ def test_overwritten_owner_token_stops_issuing_and_moves_to_a_new_id(
     assert "is no longer ours" in d.stderr()
 
 
-def test_replica_majority_is_waited_for(daemons: DaemonFactory, redis_server: RedisServer, tmp_path: Path) -> None:
+def test_the_replica_is_waited_for(daemons: DaemonFactory, redis_server: RedisServer, tmp_path: Path) -> None:
     replica = start_redis(tmp_path / "replica", "--replicaof", "127.0.0.1", str(redis_server.port))
     try:
         wait_until(lambda: redis_server.client().info("replication")["connected_slaves"] == 1, timeout=10)
