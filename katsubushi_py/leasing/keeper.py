@@ -119,8 +119,9 @@ class LeaseKeeper:
         self._logged: dict[str, float] = {}
         self._nearly_full = False
         # Time without Redis: the lines when issuing stops at the deadline, resumes, and renews succeed again.
-        where = lambda: self.link.address or target.display  # noqa: E731 - the node followed, for messages
-        self.watch = RenewWatch(self.stats, timings, lambda: self.holding, lambda: self._stopping, where)
+        self.watch = RenewWatch(
+            self.stats, timings, lambda: self.holding, lambda: self._stopping, target.display, lambda: self.link.address
+        )
 
     @property
     def lease(self) -> Lease | None:

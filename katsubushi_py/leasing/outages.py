@@ -25,7 +25,8 @@ log = logging.getLogger("katsubushi_py")
 
 class RenewWatch:
     """``holding()`` gives the current lease (None between leases), ``stopping()`` whether the keeper
-    is shutting down, ``where()`` the Redis (or node) the keeper talks to, for messages."""
+    is shutting down; ``display`` is the Redis URL (without its password) and ``node()`` the node the
+    keeper talks to now (host:port: the master Sentinel or the cluster named), for messages."""
 
     def __init__(
         self,
@@ -33,13 +34,15 @@ class RenewWatch:
         timings: LeaseTimings,
         holding: Callable[[], Holding | None],
         stopping: Callable[[], bool],
-        where: Callable[[], str],
+        display: str,
+        node: Callable[[], str],
     ) -> None:
         self.stats = stats
         self.timings = timings
         self._holding = holding
         self._stopping = stopping
-        self._where = where
+        self._display = display
+        self._node = node
         self._expiry_timer: asyncio.TimerHandle | None = None
         self._stopped_since = 0.0  # monotonic seconds; 0 while issuing (or not holding a lease)
         # Renews: when the last one was confirmed, and since when (and how often) they have failed.
@@ -74,7 +77,7 @@ class RenewWatch:
         log.info(
             "renewed worker id %d on %s again: %.1fs without a confirmed renew (%d attempts failed; %s)",
             holding.worker_id,
-            self._where(),
+            self._node() or self._display,
             gap or received - self._failing_since,
             self._failed,
             stopped,
@@ -131,6 +134,6 @@ class RenewWatch:
             " answer SERVER_ERROR until a renew succeeds",
             holding.worker_id,
             format_time(ms_to_datetime(int(wall * 1000))),
-            self._where(),
+            self._display,
             format_time(ms_to_datetime(int(confirmed * 1000))),
         )
