@@ -61,9 +61,14 @@ gen_now(GenCore *self, long long *out)
         *out = (long long)ts.tv_sec * 1000000000LL + ts.tv_nsec;
         return 0;
     }
-    PyObject *r = PyObject_CallNoArgs(self->mono_fn);
+    /* The clock may drop itself (_use_clock(None)) while it runs: hold it for the call. */
+    PyObject *fn = self->mono_fn;
+    Py_INCREF(fn);
+    PyObject *r = PyObject_CallNoArgs(fn);
+    Py_DECREF(fn);
     if (r == NULL)
         return -1;
+
     *out = PyLong_AsLongLong(r);
     Py_DECREF(r);
     if (*out == -1 && PyErr_Occurred())
@@ -71,12 +76,14 @@ gen_now(GenCore *self, long long *out)
     return 0;
 }
 
-/* 1 if the bucket is valid now and holds at least k IDs, 0 if not, -1 on error. */
+/* 1 if the bucket is valid now and holds at least k IDs, 0 if not, -1 on error. _set_bucket keeps
+ * 0 <= next <= stop, and every take keeps next <= stop, so stop - next cannot overflow; it is checked
+ * all the same, so that no state reachable by a bug can make it undefined. */
 static int
 gen_has(GenCore *self, long long k)
 {
-    long long now;
-    if (self->stop - self->next < k)
+    long long now, left;
+    if (__builtin_sub_overflow(self->stop, self->next, &left) || left < k)
         return 0;
     if (gen_now(self, &now) < 0)
         return -1;
@@ -174,7 +181,9 @@ GenCore_take_many(GenCore *self, PyObject *arg)
     long long k = PyLong_AsLongLong(arg);
     if (k == -1 && PyErr_Occurred())
         return NULL;
-    long long left = self->stop - self->next;
+    long long left;
+    if (__builtin_sub_overflow(self->stop, self->next, &left) || left < 0)
+        left = 0;
     if (k > left)
         k = left;
     if (k < 0)
@@ -207,9 +216,14 @@ GenCore_set_bucket(GenCore *self, PyObject *const *args, Py_ssize_t nargs)
     end = PyLong_AsLongLong(args[2]);
     if (PyErr_Occurred())
         return NULL;
+    long long stop;
+    if (base < 0 || count < 0 || __builtin_add_overflow(base, count, &stop)) {
+        PyErr_SetString(PyExc_ValueError, "_set_bucket: base and count must be >= 0 and base + count < 2**63");
+        return NULL;
+    }
     /* Order matters for nothing here: the GIL is held, no other thread sees a half-set bucket. */
     self->next = base;
-    self->stop = base + count;
+    self->stop = stop;
     self->end_ns = end;
     Py_RETURN_NONE;
 }
@@ -510,7 +524,7 @@ put_digits(char *out, unsigned long long v)
 static inline int
 gen_digits(GenCore *gen, long long id)
 {
-    if (id == gen->digits_of + 1 && gen->digits_of >= 0) {
+    if (gen->digits_of >= 0 && id - gen->digits_of == 1) { /* both >= 0: no overflow */
         int d = gen->ndigits - 1;
         while (d >= 0 && gen->digits[d] == '9')
             gen->digits[d--] = '0';
@@ -568,7 +582,7 @@ out_free(outbuf *o)
 /* Try to answer one line [p, end) (without its LF) as a GET the fast path may take. Returns 1 if
  * answered (reply appended), 0 if the line is for Python, -1 on error. */
 static int
-text_fast_line(ConnCore *self, const char *p, const char *end, outbuf *out)
+text_fast_line(ConnCore *self, GenCore *gen, Counters *counters, const char *p, const char *end, outbuf *out)
 {
     const char *keys[MAX_FAST_KEYS];
     Py_ssize_t keylen[MAX_FAST_KEYS];
@@ -606,7 +620,6 @@ text_fast_line(ConnCore *self, const char *p, const char *end, outbuf *out)
     }
     if (nkeys == 0)
         return 0; /* "GET" alone: ERROR, Python's */
-    GenCore *gen = self->gen;
     int has = gen_has(gen, nkeys);
     if (has <= 0)
         return has; /* used up or expired: Python refills (and may wait or fail) */
@@ -638,8 +651,8 @@ text_fast_line(ConnCore *self, const char *p, const char *end, outbuf *out)
     o += 5;
     out->len = o - out->data;
     gen->next += nkeys;
-    self->counters->commands += 1;
-    self->counters->ids += nkeys;
+    counters->commands += 1;
+    counters->ids += nkeys;
     self->activity += 1;
     return 1;
 }
@@ -695,19 +708,29 @@ TextCore_receive(ConnCore *self, PyObject *data)
     out.data = out.stack;
     out.len = 0;
     out.cap = sizeof(out.stack);
+    /* The generator's clock may be Python (an injected one) and do anything, _fast_init included:
+     * hold the generator and the counters while they are used. */
+    GenCore *gen = self->gen;
+    Counters *counters = self->counters;
+    Py_INCREF(gen);
+    Py_INCREF(counters);
     while (pos < end) {
         const char *nl = memchr(pos, '\n', end - pos);
         if (nl == NULL || nl - pos >= self->max_line)
             break;
-        int r = text_fast_line(self, pos, nl, &out);
+        int r = text_fast_line(self, gen, counters, pos, nl, &out);
         if (r < 0) {
             out_free(&out);
+            Py_DECREF(gen);
+            Py_DECREF(counters);
             return NULL;
         }
         if (r == 0)
             break;
         pos = nl + 1;
     }
+    Py_DECREF(gen);
+    Py_DECREF(counters);
     PyObject *result = finish_reply(self, data, pos - start, &out);
     out_free(&out);
     return result;
@@ -763,11 +786,15 @@ BinaryCore_receive(ConnCore *self, PyObject *data)
         return PyObject_CallMethodOneArg((PyObject *)self, str_receive_slow, data);
     const unsigned char *p = (const unsigned char *)PyBytes_AS_STRING(data);
     Py_ssize_t len = PyBytes_GET_SIZE(data), pos = 0;
-    GenCore *gen = self->gen;
     outbuf out;
     out.data = out.stack;
     out.len = 0;
     out.cap = sizeof(out.stack);
+    /* Held while used: the generator's clock may be Python and do anything (see TextCore_receive). */
+    GenCore *gen = self->gen;
+    Counters *counters = self->counters;
+    Py_INCREF(gen);
+    Py_INCREF(counters);
     while (len - pos >= BIN_HEADER) {
         const unsigned char *h = p + pos;
         int opcode = h[1];
@@ -802,18 +829,22 @@ BinaryCore_receive(ConnCore *self, PyObject *data)
             memcpy(o, gen->digits, nd);
             o += nd;
             out.len = o - out.data;
-            self->counters->commands += 1;
-            self->counters->ids += 1;
+            counters->commands += 1;
+            counters->ids += 1;
             self->activity += 1;
         } else {
             break; /* any other command: Python's */
         }
         pos += BIN_HEADER + (Py_ssize_t)bodylen;
     }
+    Py_DECREF(gen);
+    Py_DECREF(counters);
     PyObject *result = finish_reply(self, data, pos, &out);
     out_free(&out);
     return result;
 error:
+    Py_DECREF(gen);
+    Py_DECREF(counters);
     out_free(&out);
     return NULL;
 }
@@ -965,60 +996,86 @@ ProtoCore_dealloc(ProtoCore *self)
 }
 
 /* data_received(data): the reply to what arrived, written at once; anything else a connection may
- * need afterwards (close, wait for the clock) is the Python _after_receive's. */
+ * need afterwards (close, wait for the clock) is the Python _after_receive's.
+ *
+ * Every call into Python here can drop what this function is using: a receive that closes the
+ * connection resets _conn and _receive, a write that fails makes the transport drop _write. So each
+ * object is held for as long as it is used, and the protocol itself (self) for the whole call. */
 static PyObject *
 ProtoCore_data_received(ProtoCore *self, PyObject *data)
 {
+    PyObject *reply, *result = NULL;
     ConnCore *fast = self->fast;
-    PyObject *reply;
-    if (fast != NULL)
+    Py_INCREF(self);
+    if (fast != NULL) {
+        Py_INCREF(fast);
         reply = fast->receive(fast, data);
-    else if (self->receive != NULL)
-        reply = PyObject_CallOneArg(self->receive, data);
-    else
+    } else if (self->receive != NULL) {
+        PyObject *receive = Py_NewRef(self->receive);
+        reply = PyObject_CallOneArg(receive, data);
+        Py_DECREF(receive);
+    } else {
+        Py_DECREF(self);
         Py_RETURN_NONE; /* not connected (yet, or any more) */
+    }
     if (reply == NULL)
-        return NULL;
+        goto done;
     if (!PyBytes_Check(reply) || PyBytes_GET_SIZE(reply) != 0) {
         if (self->write == NULL) {
             Py_DECREF(reply);
-            Py_RETURN_NONE;
+            result = Py_NewRef(Py_None);
+            goto done;
         }
-        PyObject *r = PyObject_CallOneArg(self->write, reply);
+        PyObject *write = Py_NewRef(self->write);
+        PyObject *r = PyObject_CallOneArg(write, reply);
+        Py_DECREF(write);
         Py_DECREF(reply);
         if (r == NULL)
-            return NULL;
+            goto done;
         Py_DECREF(r);
     } else {
         Py_DECREF(reply);
     }
     if (fast != NULL && !fast->closing && fast->wait == 0.0)
-        Py_RETURN_NONE;
-    return PyObject_CallMethodNoArgs((PyObject *)self, str_after_receive);
+        result = Py_NewRef(Py_None);
+    else
+        result = PyObject_CallMethodNoArgs((PyObject *)self, str_after_receive);
+done:
+    Py_XDECREF(fast);
+    Py_DECREF(self);
+    return result;
 }
 
-/* _use(conn): from now on hand every read to conn.receive; directly in C when conn is a compiled core. */
+/* _use(conn): from now on hand every read to conn.receive; directly in C when conn is a compiled core.
+ * Everything is looked up first (lookups may run Python code), then the three slots are set. */
 static PyObject *
 ProtoCore_use(ProtoCore *self, PyObject *conn)
 {
     PyObject *receive = PyObject_GetAttrString(conn, "receive");
     if (receive == NULL)
         return NULL;
-    Py_INCREF(conn);
-    Py_XSETREF(self->conn, conn);
-    Py_XSETREF(self->receive, receive);
     ConnCore *fast = NULL;
     if (PyObject_TypeCheck(conn, TextCore_Type) || PyObject_TypeCheck(conn, BinaryCore_Type)) {
         PyObject *meth = PyObject_GetAttrString((PyObject *)Py_TYPE(conn), "receive");
-        if (meth == NULL)
+        if (meth == NULL) {
+            Py_DECREF(receive);
             return NULL;
+        }
         /* Only when the class's receive is the compiled one (a method descriptor of the core). */
         if (Py_IS_TYPE(meth, &PyMethodDescr_Type))
             fast = (ConnCore *)conn;
         Py_DECREF(meth);
     }
+    Py_INCREF(conn);
     Py_XINCREF(fast);
-    Py_XSETREF(self->fast, fast);
+    PyObject *old_conn = self->conn, *old_receive = self->receive;
+    ConnCore *old_fast = self->fast;
+    self->conn = conn;
+    self->receive = receive;
+    self->fast = fast;
+    Py_XDECREF(old_conn);
+    Py_XDECREF(old_receive);
+    Py_XDECREF(old_fast);
     Py_RETURN_NONE;
 }
 
@@ -1151,7 +1208,9 @@ sock_fatal(SockCore *self, int err)
     return r;
 }
 
-/* _readable(): the loop's reader callback. */
+/* _readable(): the loop's reader callback. The protocol's data_received may close the connection,
+ * which drops _data_received (and with it perhaps the last reference to the protocol): it is held
+ * for the call, and so is this transport. */
 static PyObject *
 SockCore_readable(SockCore *self, PyObject *unused)
 {
@@ -1161,19 +1220,27 @@ SockCore_readable(SockCore *self, PyObject *unused)
     do {
         n = recv(self->fd, sock_read_buffer, SOCK_READ_SIZE, 0);
     } while (n < 0 && errno == EINTR);
+    PyObject *r;
+    Py_INCREF(self);
     if (n > 0) {
         PyObject *data = PyBytes_FromStringAndSize(sock_read_buffer, n);
-        if (data == NULL)
+        if (data == NULL) {
+            Py_DECREF(self);
             return NULL;
-        PyObject *r = PyObject_CallOneArg(self->data_received, data);
+        }
+        PyObject *callback = Py_NewRef(self->data_received);
+        r = PyObject_CallOneArg(callback, data);
+        Py_DECREF(callback);
         Py_DECREF(data);
-        return r;
+    } else if (n == 0) {
+        r = PyObject_CallMethodNoArgs((PyObject *)self, str_eof_received);
+    } else if (errno == EAGAIN || errno == EWOULDBLOCK) {
+        r = Py_NewRef(Py_None);
+    } else {
+        r = sock_fatal(self, errno);
     }
-    if (n == 0)
-        return PyObject_CallMethodNoArgs((PyObject *)self, str_eof_received);
-    if (errno == EAGAIN || errno == EWOULDBLOCK)
-        Py_RETURN_NONE;
-    return sock_fatal(self, errno);
+    Py_DECREF(self);
+    return r;
 }
 
 /* write(data): send at once when nothing is queued; what the kernel does not take goes to the queue. */

@@ -12,14 +12,21 @@ import importlib.util
 import json
 import os
 import random
+import socket
 import struct
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from binary_packets import request
 
-from katsubushi_py.compiled import FREE_THREADED
+from katsubushi_py.compiled import FREE_THREADED, speedups
+from katsubushi_py.frontends.binary import BinaryConnection
+from katsubushi_py.frontends.fastpath import COMPILED
+from katsubushi_py.frontends.text import TextConnection
+from katsubushi_py.issuing.generator import Generator
+from katsubushi_py.issuing.issuer import Issuer
 
 HARNESS = Path(__file__).with_name("speedups_harness.py")
 
@@ -124,3 +131,123 @@ def test_stats_say_which_hot_path_runs(daemons) -> None:  # type: ignore[no-unty
 
     assert implementation("1") == "python"
     assert implementation("0") == "compiled"
+
+
+# -- memory safety of the C glue (found by AddressSanitizer and UndefinedBehaviorSanitizer) ---------
+#
+# Every call from C into Python may drop the last reference to an object the C code goes on using. The
+# tests make the callee drop it and record, with __del__, when the object is freed: it must be after
+# the C code is done with it (before the fix it was freed inside the callback and then read).
+
+needs_compiled = pytest.mark.skipif(not COMPILED, reason="the compiled hot path is not in use in this run")
+
+
+def compiled_issuer(clock: object = None) -> Issuer:
+    from conftest import FakeClock
+
+    return Issuer(Generator(5, clock=clock or FakeClock()), "1.0.0")
+
+
+@needs_compiled
+def test_protocol_core_holds_the_connection_while_its_write_runs() -> None:
+    events: list[str] = []
+
+    class Conn(BinaryConnection):
+        __slots__ = ()
+
+        def __del__(self) -> None:
+            events.append("connection freed")
+
+    class Proto(speedups.ProtocolCore):  # type: ignore[name-defined,misc]
+        def _after_receive(self) -> None:
+            events.append("after receive")
+
+    proto = Proto()
+    proto._use(Conn(compiled_issuer()))  # the only reference to the connection
+
+    def write(reply: bytes) -> None:
+        proto._conn = None  # what a close does
+        proto._receive = None
+        events.append("dropped")
+
+    proto._write = write
+    proto.data_received(request(0x00))  # a binary GET
+    events.append("returned")
+    assert events == ["dropped", "connection freed", "returned"]
+
+
+@needs_compiled
+def test_socket_core_holds_the_protocol_while_its_data_received_runs() -> None:
+    events: list[str] = []
+
+    class Transport(speedups.SocketCore):  # type: ignore[name-defined,misc]
+        pass
+
+    class Proto(speedups.ProtocolCore):  # type: ignore[name-defined,misc]
+        def __del__(self) -> None:
+            events.append("protocol freed")
+
+    ours, theirs = socket.socketpair()
+    with ours, theirs:
+        transport = Transport()
+        transport._fd = ours.fileno()
+        proto = Proto()
+        proto._use(TextConnection(compiled_issuer()))
+
+        def write(reply: bytes) -> None:
+            transport._data_received = None  # what connection_lost does: the protocol's last reference
+            events.append("dropped")
+
+        proto._write = write
+        transport._data_received = proto.data_received
+        del proto
+        theirs.sendall(b"get a\r\n")
+        transport._readable()
+        events.append("returned")
+    assert events == ["dropped", "protocol freed", "returned"]
+
+
+@needs_compiled
+def test_connection_core_holds_its_generator_while_the_clock_runs() -> None:
+    """An injected clock (Python) may re-initialise the connection's fast path while the compiled
+    core reads it, dropping the generator that core is taking IDs from."""
+    events: list[str] = []
+
+    class Gen(speedups.GeneratorCore):  # type: ignore[name-defined,misc]
+        def __del__(self) -> None:
+            events.append("generator freed")
+
+    issuer = compiled_issuer()
+    conn = TextConnection(issuer)
+    replacement = issuer.generator
+    gen = Gen()
+    gen._set_bucket(1 << 40, 100, 2**62)
+
+    def clock() -> int:
+        if not events:
+            conn._fast_init(replacement, issuer.counters("text"))
+            events.append("replaced")
+        return 0
+
+    gen._use_clock(clock)
+    conn._fast_init(gen, speedups.Counters("text"))
+    del gen
+    reply = conn.receive(b"get a\r\n")
+    events.append("returned")
+    assert reply == b"VALUE a 0 13\r\n%d\r\nEND\r\n" % (1 << 40)
+    assert events == ["replaced", "generator freed", "returned"]
+
+
+@pytest.mark.parametrize("core", ["compiled", "python"])
+@pytest.mark.parametrize(("base", "count"), [(2**63 - 1, 1), (-1, 5), (5, -1), (2**62, 2**62)])
+def test_a_bucket_beyond_64_bits_is_refused(core: str, base: int, count: int) -> None:
+    """``_set_bucket(2**63 - 1, 1, -1)`` made the compiled core's ``next + count`` overflow (undefined
+    behaviour in C); both twins refuse any bucket that does not fit, and take the last IDs that do."""
+    from katsubushi_py.issuing.bucket import PyGeneratorCore
+
+    cls = speedups.GeneratorCore if core == "compiled" else PyGeneratorCore  # type: ignore[attr-defined]
+    gen = cls()
+    with pytest.raises(ValueError, match="bucket"):
+        gen._set_bucket(base, count, -1)
+    gen._set_bucket(2**63 - 2, 1, 2**62)
+    assert (gen._bucket_left(), gen._take(), gen._take(), gen._bucket_left()) == (1, 2**63 - 2, None, 0)
