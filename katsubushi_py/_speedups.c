@@ -11,11 +11,13 @@
  *                  Python generator's _refill, reached through _next_id_slow / _next_ids_slow.
  *   Counters       twin of issuing/issuer.py PyCounters: commands and IDs as C integers.
  *   TextCore,      twins of the fast cases of TextConnection.receive and BinaryConnection.receive
- *   BinaryCore     (frontends/fastpath.py PyConnectionCore): complete GET/GETS lines, or GET-family
- *                  and NOOP packets, whose IDs are all in the current bucket. At the first request
- *                  it does not take (any other command, a partial request, a used-up bucket, a held
- *                  buffer, a waiting or closing connection) it hands the rest to the Python
- *                  _receive_slow, so every byte of behaviour that is not the fast path is Python's.
+ *   BinaryCore     (frontends/fastpath.py PyConnectionCore): complete GET/GETS lines (at most 128
+ *                  keys of at most 250 bytes), or GET-family and NOOP packets, whose IDs are all in
+ *                  the current bucket. At the first request it does not take (any other command, a
+ *                  partial request, a used-up bucket, a held buffer, a command in progress, a
+ *                  waiting, held-back or closing connection) it hands the rest to the Python
+ *                  _receive_slow, so every byte of behaviour that is not the fast path is Python's;
+ *                  once its reply reaches REPLY_BUDGET it holds the rest (backlog), as Python does.
  *   ProtocolCore   twin of daemon/connection.py PyProtocolCore: the asyncio protocol's data_received
  *                  (receive, write the reply, and hand closing or waiting to Python), calling a
  *                  compiled connection's receive directly: a request runs no Python frame.
@@ -403,15 +405,21 @@ static PyType_Spec Counters_spec = {
 /* ------------------------------------------------------------------------------------------------ */
 /* Connection cores: TextCore and BinaryCore share one layout                                                                                          */
 
-#define MAX_FAST_KEYS 128
+/* The limits shared with frontends/fastpath.py (exported, and compared by a test). */
+#define MAX_FAST_KEYS 128   /* GET_BATCH: the longest get line the fast path takes */
+#define MAX_KEY 250         /* memcached's key limit */
+#define REPLY_BUDGET 65536  /* a receive takes no further command once its reply is this long */
 
 typedef struct ConnCore_ {
     PyObject_HEAD
     /* The sans-IO connection's own state, shared with the Python subclass as attributes. */
     PyObject *buffer;    /* _buffer: bytes held from earlier reads */
+    int state;           /* _state: 0 at a command's start; else in the middle of one (Python's) */
     char closing;        /* closing */
+    char backlog;        /* backlog: input held until the reply so far is written (resume) */
     double wait;         /* wait */
     long long activity;  /* activity */
+    Py_ssize_t spent;    /* _spent: reply bytes made before handing the rest to _receive_slow */
     /* Set once by _fast_init. */
     GenCore *gen;        /* NULL: no fast path */
     Counters *counters;
@@ -616,6 +624,8 @@ text_fast_line(ConnCore *self, GenCore *gen, Counters *counters, const char *p, 
         while (p < end && !is_ws((unsigned char)*p))
             p++;
         keylen[nkeys] = p - keys[nkeys];
+        if (keylen[nkeys] > MAX_KEY)
+            return 0; /* CLIENT_ERROR in its place: Python's */
         nkeys++;
     }
     if (nkeys == 0)
@@ -658,22 +668,29 @@ text_fast_line(ConnCore *self, GenCore *gen, Counters *counters, const char *p, 
 }
 
 /* The reply to data when the fast path answered data[0:pos] into out: out alone if it took
- * everything, else out followed by what the Python _receive_slow answers for the rest. */
+ * everything; if it stopped because out reached the reply budget, out, with the rest held (backlog),
+ * as Python holds it at that point; else out followed by what the Python _receive_slow answers for the
+ * rest, told how much out already holds (_spent) so that it stops where it would have alone. */
 static PyObject *
-finish_reply(ConnCore *self, PyObject *data, Py_ssize_t pos, outbuf *out)
+finish_reply(ConnCore *self, PyObject *data, Py_ssize_t pos, outbuf *out, int over_budget)
 {
     Py_ssize_t len = PyBytes_GET_SIZE(data);
     if (pos == len)
         return PyBytes_FromStringAndSize(out->data, out->len);
-    if (pos == 0)
-        return PyObject_CallMethodOneArg((PyObject *)self, str_receive_slow, data);
-    PyObject *rest = PyBytes_FromStringAndSize(PyBytes_AS_STRING(data) + pos, len - pos);
+    PyObject *rest = pos == 0 ? Py_NewRef(data) : PyBytes_FromStringAndSize(PyBytes_AS_STRING(data) + pos, len - pos);
     if (rest == NULL)
         return NULL;
+    if (over_budget) {
+        Py_SETREF(self->buffer, rest);
+        self->backlog = 1;
+        return PyBytes_FromStringAndSize(out->data, out->len);
+    }
+    self->spent = out->len;
     PyObject *tail = PyObject_CallMethodOneArg((PyObject *)self, str_receive_slow, rest);
+    self->spent = 0;
     Py_DECREF(rest);
-    if (tail == NULL)
-        return NULL;
+    if (tail == NULL || out->len == 0)
+        return tail;
     if (!PyBytes_Check(tail)) {
         Py_DECREF(tail);
         PyErr_SetString(PyExc_TypeError, "_receive_slow must return bytes");
@@ -689,12 +706,13 @@ finish_reply(ConnCore *self, PyObject *data, Py_ssize_t pos, outbuf *out)
 }
 
 /* May the fast path look at data at all? Not before _fast_init found compiled parts, and not while
- * the connection holds bytes, waits for the clock or is closing: those are Python's to handle. */
+ * the connection holds bytes, is in the middle of a command (a get line's keys, a data block), waits
+ * for the clock or for its reply to be written, or is closing: those are Python's to handle. */
 static inline int
 may_take(ConnCore *self, PyObject *data)
 {
     return self->gen != NULL && PyBytes_CheckExact(data) && !self->closing && self->wait == 0.0 &&
-           PyBytes_GET_SIZE(self->buffer) == 0;
+           self->state == 0 && !self->backlog && PyBytes_GET_SIZE(self->buffer) == 0;
 }
 
 static PyObject *
@@ -708,6 +726,7 @@ TextCore_receive(ConnCore *self, PyObject *data)
     out.data = out.stack;
     out.len = 0;
     out.cap = sizeof(out.stack);
+    int over_budget = 0;
     /* The generator's clock may be Python (an injected one) and do anything, _fast_init included:
      * hold the generator and the counters while they are used. */
     GenCore *gen = self->gen;
@@ -715,6 +734,10 @@ TextCore_receive(ConnCore *self, PyObject *data)
     Py_INCREF(gen);
     Py_INCREF(counters);
     while (pos < end) {
+        if (out.len >= REPLY_BUDGET) {
+            over_budget = 1;
+            break;
+        }
         const char *nl = memchr(pos, '\n', end - pos);
         if (nl == NULL || nl - pos >= self->max_line)
             break;
@@ -731,14 +754,14 @@ TextCore_receive(ConnCore *self, PyObject *data)
     }
     Py_DECREF(gen);
     Py_DECREF(counters);
-    PyObject *result = finish_reply(self, data, pos - start, &out);
+    PyObject *result = finish_reply(self, data, pos - start, &out, over_budget);
     out_free(&out);
     return result;
 }
 
 /* The binary protocol: the request and response headers are 24 bytes, big-endian. */
 #define BIN_HEADER 24
-#define BIN_MAX_KEY 250
+#define BIN_MAX_KEY MAX_KEY
 #define BIN_MAX_BODY 4096
 #define OP_GET 0x00
 #define OP_GETQ 0x09
@@ -790,6 +813,7 @@ BinaryCore_receive(ConnCore *self, PyObject *data)
     out.data = out.stack;
     out.len = 0;
     out.cap = sizeof(out.stack);
+    int over_budget = 0;
     /* Held while used: the generator's clock may be Python and do anything (see TextCore_receive). */
     GenCore *gen = self->gen;
     Counters *counters = self->counters;
@@ -805,6 +829,11 @@ BinaryCore_receive(ConnCore *self, PyObject *data)
             pos + BIN_HEADER + (Py_ssize_t)bodylen > len)
             break; /* a bad or incomplete request: Python's */
         if (opcode == OP_NOOP) {
+            /* Python stops before any request but a get once the reply has reached the budget. */
+            if (out.len >= REPLY_BUDGET) {
+                over_budget = 1;
+                break;
+            }
             if (out_reserve(&out, BIN_HEADER) < 0)
                 goto error;
             bin_header(out.data + out.len, OP_NOOP, 0, 0, 0, h + 12);
@@ -839,7 +868,7 @@ BinaryCore_receive(ConnCore *self, PyObject *data)
     }
     Py_DECREF(gen);
     Py_DECREF(counters);
-    PyObject *result = finish_reply(self, data, pos, &out);
+    PyObject *result = finish_reply(self, data, pos, &out, over_budget);
     out_free(&out);
     return result;
 error:
@@ -887,6 +916,25 @@ ConnCore_set_closing(ConnCore *self, PyObject *value, void *closure)
     return 0;
 }
 
+static PyObject *
+ConnCore_get_backlog(ConnCore *self, void *closure)
+{
+    return PyBool_FromLong(self->backlog);
+}
+
+static int
+ConnCore_set_backlog(ConnCore *self, PyObject *value, void *closure)
+{
+    int v = value == NULL ? -1 : PyObject_IsTrue(value);
+    if (v < 0) {
+        if (!PyErr_Occurred())
+            PyErr_SetString(PyExc_AttributeError, "cannot delete backlog");
+        return -1;
+    }
+    self->backlog = (char)v;
+    return 0;
+}
+
 static PyMethodDef TextCore_methods[] = {
     {"receive", (PyCFunction)TextCore_receive, METH_O, "Take newly arrived bytes; return the reply."},
     {"_fast_init", (PyCFunction)(void (*)(void))ConnCore_fast_init, METH_FASTCALL, NULL},
@@ -896,12 +944,15 @@ static PyMethodDef TextCore_methods[] = {
 static PyMemberDef ConnCore_members[] = {
     {"wait", T_DOUBLE, offsetof(ConnCore, wait), 0, NULL},
     {"activity", T_LONGLONG, offsetof(ConnCore, activity), 0, NULL},
+    {"_state", T_INT, offsetof(ConnCore, state), 0, NULL},
+    {"_spent", T_PYSSIZET, offsetof(ConnCore, spent), READONLY, NULL},
     {NULL},
 };
 
 static PyGetSetDef ConnCore_getset[] = {
     {"_buffer", (getter)ConnCore_get_buffer, (setter)ConnCore_set_buffer, NULL, NULL},
     {"closing", (getter)ConnCore_get_closing, (setter)ConnCore_set_closing, NULL, NULL},
+    {"backlog", (getter)ConnCore_get_backlog, (setter)ConnCore_set_backlog, NULL, NULL},
     {NULL},
 };
 
@@ -996,7 +1047,8 @@ ProtoCore_dealloc(ProtoCore *self)
 }
 
 /* data_received(data): the reply to what arrived, written at once; anything else a connection may
- * need afterwards (close, wait for the clock) is the Python _after_receive's.
+ * need afterwards (close, wait for the clock, carry on once the reply is written) is the Python
+ * _after_receive's.
  *
  * Every call into Python here can drop what this function is using: a receive that closes the
  * connection resets _conn and _receive, a write that fails makes the transport drop _write. So each
@@ -1036,7 +1088,7 @@ ProtoCore_data_received(ProtoCore *self, PyObject *data)
     } else {
         Py_DECREF(reply);
     }
-    if (fast != NULL && !fast->closing && fast->wait == 0.0)
+    if (fast != NULL && !fast->closing && fast->wait == 0.0 && !fast->backlog)
         result = Py_NewRef(Py_None);
     else
         result = PyObject_CallMethodNoArgs((PyObject *)self, str_after_receive);
@@ -1381,6 +1433,10 @@ speedups_exec(PyObject *m)
     if (sock == NULL || PyModule_AddType(m, sock) < 0)
         return -1;
     Py_DECREF(sock);
+    if (PyModule_AddIntConstant(m, "MAX_KEY", MAX_KEY) < 0 || PyModule_AddIntConstant(m, "GET_BATCH", MAX_FAST_KEYS) < 0 ||
+        PyModule_AddIntConstant(m, "REPLY_BUDGET", REPLY_BUDGET) < 0 ||
+        PyModule_AddIntConstant(m, "MAX_BODY", BIN_MAX_BODY) < 0)
+        return -1;
     return 0;
 }
 

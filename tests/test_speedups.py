@@ -40,7 +40,7 @@ WS = [b" ", b"  ", b"\t", b" \t ", b"\x0b", b"\x0c", b"\r"]
 def text_line(rng: random.Random) -> bytes:
     kind = rng.random()
     keys = [bytes(rng.choice(b"abcxyz019_-:\x01\xff") for _ in range(rng.randint(1, 12))) for _ in range(140)]
-    if kind < 0.55:  # gets the fast path may take
+    if kind < 0.5:  # gets the fast path may take
         word = rng.choice([b"get", b"GET", b"Get", b"gEt", b"gets", b"GETS", b"Gets"])
         count = rng.choice([1, 1, 1, 2, 3, 5, 17, 100, 128, 129, 140])
         parts = [word, *keys[:count]]
@@ -49,27 +49,60 @@ def text_line(rng: random.Random) -> bytes:
             line = rng.choice(WS) + line
         if rng.random() < 0.3:
             line += rng.choice(WS)
-    elif kind < 0.65:
+    elif kind < 0.55:  # gets it must leave to Python: a key too long, hundreds of keys
+        keys[rng.randrange(5)] = b"k" * rng.choice([250, 251, 300])
+        line = b"get " + b" ".join(keys[: rng.choice([5, 5, 140])])
+    elif kind < 0.6:
         line = rng.choice([b"get", b"GET", b"gets", b" get ", b"getx a", b"ge a", b"gett a", b"g\xc5t a"])
-    elif kind < 0.8:
-        line = rng.choice([b"version", b"VERSION", b"quit", b"", b"   ", b"foo bar", b"set a 0 0 1", b"mn"])
-    elif kind < 0.9:
+    elif kind < 0.72:
+        line = rng.choice(
+            [
+                b"version",
+                b"VERSION",
+                b"version x",
+                b"quit",
+                b"quit now",
+                b"",
+                b"   ",
+                b"foo bar",
+                b"mn",
+                b"verbosity 1",
+                b"verbosity noreply",
+                b"stats items",
+                b"stats malloc",
+                b"incr a 1",
+                b"delete a noreply",
+                b"set a 0 0",
+            ]
+        )
+    elif kind < 0.82:
         flags = b" ".join(rng.sample([b"v", b"k", b"q", b"f", b"s", b"t", b"O123", b"c"], rng.randint(0, 4)))
         line = b"mg " + keys[0] + (b" " + flags if flags else b"")
+    elif kind < 0.88:
+        size = rng.choice([0, 3, 100, 5000])
+        block = b"x" * size + rng.choice([b"\r\n", b"\r\n", b"ab", b"\n"])
+        command = rng.choice([b"set", b"add", b"cas", b"ms", b"append"])
+        extra = b" 9" if command == b"cas" else b""
+        args = b" %d" % size if command == b"ms" else b" 0 0 %d%b" % (size, extra)
+        line = command + b" " + keys[0] + args + rng.choice([b"", b" noreply"]) + b"\r\n" + block[:-2]
+        return line + block[-2:]
+    elif kind < 0.9:
+        line = b"stats"  # more than a kilobyte: a few of them in one read reach the reply budget
     else:
-        line = b"ms " + keys[0] + b" 3\r\nabc"
+        line = b"get " + keys[0]
     return line + rng.choice([b"\r\n", b"\n"])
 
 
 def binary_packet(rng: random.Random) -> bytes:
-    opcode = rng.choice([0x00, 0x00, 0x09, 0x0C, 0x0D, 0x0D, 0x0A, 0x0B, 0x01, 0x07, 0x17, 0x42])
+    opcode = rng.choice([0x00, 0x00, 0x09, 0x0C, 0x0D, 0x0D, 0x0A, 0x0B, 0x01, 0x07, 0x17, 0x42, 0x10])
     key = bytes(rng.choice(b"abcdef0123") for _ in range(rng.choice([0, 1, 5, 250])))
     extras = b"\x00" * rng.choice([0, 0, 4])
     if rng.random() < 0.03:
         return struct.pack(">BBHBBHII8s", 0x80, opcode, 251, 0, 0, 0, 251, 7, b"")  # key too long
     if rng.random() < 0.02:
         return b"\x81" + b"\x00" * 23  # bad magic
-    body = extras + key
+    value = b"v" * rng.choice([0] * 60 + [100, 4096, 5000])  # over 4,096: discarded, or refused
+    body = extras + key + value
     opaque = rng.getrandbits(32)
     return struct.pack(">BBHBBHII8s", 0x80, opcode, len(key), len(extras), 0, 0, len(body), opaque, b"") + body
 
@@ -77,7 +110,7 @@ def binary_packet(rng: random.Random) -> bytes:
 def split(data: bytes, rng: random.Random) -> list[bytes]:
     if rng.random() < 0.6 or len(data) < 2:
         return [data]
-    cuts = sorted(rng.sample(range(1, len(data)), min(len(data) - 1, rng.randint(1, 4))))
+    cuts = sorted(rng.sample(range(1, len(data)), min(len(data) - 1, rng.randint(1, 6))))
     return [data[a:b] for a, b in zip([0, *cuts], [*cuts, len(data)], strict=True)]
 
 
@@ -117,6 +150,14 @@ def test_compiled_and_pure_python_answer_alike(seed: int) -> None:
     assert answered > 1000  # the conversations really exercised the protocols
     for i, (a, b) in enumerate(zip(compiled["results"], pure["results"], strict=True)):  # type: ignore[arg-type]
         assert a == b, f"conversation {i} differs: {conversations[i]}"
+
+
+def test_the_compiled_limits_are_the_python_ones() -> None:
+    from katsubushi_py import _speedups  # type: ignore[attr-defined]
+    from katsubushi_py.frontends import binary, fastpath
+
+    compiled = (_speedups.MAX_KEY, _speedups.GET_BATCH, _speedups.REPLY_BUDGET, _speedups.MAX_BODY)
+    assert compiled == (fastpath.MAX_KEY, fastpath.GET_BATCH, fastpath.REPLY_BUDGET, binary.MAX_BODY)
 
 
 def test_stats_say_which_hot_path_runs(daemons) -> None:  # type: ignore[no-untyped-def]
