@@ -165,6 +165,13 @@ _OTHER_TOKENS = {
 _EMPTY_STATS_GROUPS = frozenset((b"items", b"slabs", b"sizes", b"conns"))
 
 
+def _may_hold_long_key(length: int, tokens: list[bytes], count: int) -> bool:
+    """Whether a get line of ``length`` bytes split into ``tokens`` (its ``count`` keys after the
+    command word) has a key over MAX_KEY. The length alone rules it out for most lines: such a key
+    needs at least the word, a separator and a byte for every other key, and 251 bytes."""
+    return length >= len(tokens[0]) + 2 * count + MAX_KEY and max(map(len, tokens)) > MAX_KEY
+
+
 class TextConnection(TextCore):
     """One client's side of the conversation.
 
@@ -254,14 +261,23 @@ class TextConnection(TextCore):
         if not self._state:
             newline = data.find(b"\n")
             if newline == len(data) - 1 and newline < self._max_line:
-                # The usual case: exactly one complete command, and most often a one-key GET.
+                # The usual case: exactly one complete command, and most often a GET of a few keys.
                 tokens = data.split()
-                if len(tokens) == 2 and tokens[0] in self._fast_get and len(tokens[1]) <= MAX_KEY:
+                count = len(tokens) - 1
+                if count == 1 and tokens[0] in self._fast_get and len(tokens[1]) <= MAX_KEY:
                     self.activity += 1
                     try:
                         return self._get_one(tokens[1])
                     except ClockWait as wait:
                         return self._wait(data, wait, b"")
+                if 1 < count <= GET_BATCH:
+                    cas = self._get_words.get(tokens[0])
+                    if cas is not None and not _may_hold_long_key(newline, tokens, count):
+                        self.activity += 1
+                        try:
+                            return self._get_line(tokens, cas)
+                        except ClockWait as wait:
+                            return self._wait(data, wait, b"")
                 return self._run(data, tokens)
         return self._run(data, None)
 
@@ -324,9 +340,11 @@ class TextConnection(TextCore):
                                 meta = _META_COMMANDS.get(word)
                 self.activity += 1
                 if cas is not None:  # a get line, complete
-                    length = newline - line_start
-                    if length >= max_line or (
-                        length > MAX_KEY + 4 and (len(tokens) > GET_BATCH + 1 or max(map(len, tokens)) > MAX_KEY)
+                    count = len(tokens) - 1
+                    if (
+                        count > GET_BATCH
+                        or newline - line_start >= max_line
+                        or _may_hold_long_key(newline - line_start, tokens, count)
                     ):
                         # Many keys, or a key too long: answered in batches, as if its keys were arriving.
                         self._start_keys(cas)
