@@ -178,9 +178,10 @@ class TextConnection(TextCore):
     After :meth:`receive`, ``closing`` says the server must close once the reply is written (QUIT,
     or an overlong line); ``wait`` (seconds, 0 when not waiting) says a command is waiting for the
     clock and :meth:`resume` must be called after that long, with no new input meanwhile;
-    ``backlog`` says the reply reached :data:`~.fastpath.REPLY_BUDGET` and :meth:`resume` must be
-    called once it is written; ``activity`` counts commands (and batches of a get line's keys)
-    answered so far (the idle timer uses it).
+    ``backlog`` says the reply reached :data:`~.fastpath.REPLY_BUDGET`, the rest of the input is held
+    and :meth:`resume` must be called once the reply is written (the server sets it too, while its
+    client is behind with its replies, so that what arrives is held, unanswered); ``activity`` counts
+    commands (and batches of a get line's keys) answered so far (the idle timer uses it).
     """
 
     __slots__ = (
