@@ -135,9 +135,12 @@ def test_stat_groups(conn: BinaryConnection) -> None:
         (b"epoch_ms", b"1420070400000"),
         (b"", b""),
     ]
-    for group in (b"items", b"malloc", b"slabs"):
+    for group in (b"items", b"slabs", b"sizes", b"conns"):
         [terminator] = parse_all(conn.receive(request(STAT, group, opaque=6)))
         assert (terminator.opcode, terminator.status, terminator.opaque, terminator.key) == (STAT, SUCCESS, 6, b"")
+    for group in (b"malloc", b"nosuchgroup", b"reset"):  # as memcached answers a group it does not have
+        [missing] = parse_all(conn.receive(request(STAT, group, opaque=7)))
+        assert (missing.opcode, missing.status, missing.opaque, missing.value) == (STAT, 0x0001, 7, b"Not found")
 
 
 def test_quit_answers_then_closes_and_drops_what_follows(conn: BinaryConnection) -> None:

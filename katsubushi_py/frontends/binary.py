@@ -13,8 +13,10 @@ What it answers (go-katsubushi's shapes where it has them, memcached's everywher
   work.
 - NOOP ``0x0a``, VERSION ``0x0b``, QUIT ``0x07`` (answered, then closed), QUITQ ``0x17`` (closed).
 - STAT ``0x10``: with no key, one packet per field of the text ``STATS`` in the same order; with the
-  key ``settings``, the text ``stats settings`` fields; with any other key, nothing (an empty group, as
-  the text front end answers). Always followed by an empty terminator packet.
+  key ``settings``, the text ``stats settings`` fields; with memcached's ``items``, ``slabs``,
+  ``sizes`` or ``conns``, nothing (an empty group, as the text front end answers); each followed by an
+  empty terminator packet. Any other key: status ``0x0001`` (not found), as memcached answers a group
+  it does not have.
 - The opaque is echoed on every response, errors included, and the opcode is the request's.
 - Storage, deletion, arithmetic, flush, touch and verbosity opcodes: status ``0x0083`` (not
   supported) with a short message; any other opcode: ``0x0081`` (unknown command). The connection
@@ -76,6 +78,7 @@ GATK, GATKQ = 0x23, 0x24
 
 # Statuses
 SUCCESS = 0x0000
+KEY_NOT_FOUND = 0x0001
 INVALID_ARGUMENTS = 0x0004
 UNKNOWN_COMMAND = 0x0081
 NOT_SUPPORTED = 0x0083
@@ -111,6 +114,9 @@ UNSUPPORTED = {
 }
 
 _ECHO_KEY = frozenset((GETK, GETKQ))
+
+# memcached's groups of STAT that have nothing to report here (any other group is not found).
+_EMPTY_STATS_GROUPS = frozenset((b"items", b"slabs", b"sizes", b"conns"))
 
 # The opcodes a body of any length is accepted with (answered from the header, the body discarded):
 # all but the ones we serve, which take a key at most.
@@ -201,14 +207,17 @@ class BinaryConnection(BinaryCore):
 
         This is the whole protocol. The compiled twin's ``receive`` answers what it can of the same
         input exactly as this would (runs of gets and NOOPs), and hands this method the rest."""
-        if self.closing:
-            return b""
-        if self.backlog or self.wait:  # a request waits, or the client is behind: keep the order
-            self._buffer += data
-            return b""
         if self._buffer:
+            if self.wait or self.backlog or self.closing:  # a request waits, or the client is behind
+                if not self.closing:
+                    self._buffer += data  # kept, in order
+                return b""
             data = self._buffer + data
             self._buffer = b""
+        elif self.closing or self.backlog:  # (backlog: the server holds input while its client is behind)
+            if not self.closing:
+                self._buffer = data
+            return b""
         if self._state:  # SKIP_BODY: the rest of a body answered already
             if self._skip >= len(data):
                 self._skip -= len(data)
@@ -400,8 +409,10 @@ class BinaryConnection(BinaryCore):
             fields = self._issuer.stats_fields()
         elif key == b"settings":
             fields = self._issuer.settings_fields()
-        else:
+        elif key in _EMPTY_STATS_GROUPS:
             fields = []
+        else:
+            return response(opcode, opaque, KEY_NOT_FOUND, value=b"Not found")
         packets = [response(opcode, opaque, key=name.encode(), value=str(value).encode()) for name, value in fields]
         packets.append(response(opcode, opaque))
         return b"".join(packets)

@@ -251,27 +251,31 @@ class TextConnection(TextCore):
 
         This is the whole protocol. The compiled twin's ``receive`` answers what it can of the same
         input exactly as this would, and hands this method the rest."""
-        if self.closing:
-            return b""
-        if self.backlog or self.wait:  # a command waits, or the client is behind: keep the order
-            self._buffer += data
-            return b""
         if self._buffer:
+            if self.wait or self.backlog or self.closing:  # a command waits, or the client is behind
+                if not self.closing:
+                    self._buffer += data  # kept, in order
+                return b""
             data = self._buffer + data
             self._buffer = b""
+        elif self.closing or self.backlog:  # (backlog: the server holds input while its client is behind)
+            if not self.closing:
+                self._buffer = data
+            return b""
         if not self._state:
             newline = data.find(b"\n")
             if newline == len(data) - 1 and newline < self._max_line:
                 # The usual case: exactly one complete command, and most often a GET of a few keys.
                 tokens = data.split()
-                count = len(tokens) - 1
-                if count == 1 and tokens[0] in self._fast_get and len(tokens[1]) <= MAX_KEY:
+                # (a line shorter than 255 bytes cannot hold a key over 250)
+                if len(tokens) == 2 and tokens[0] in self._fast_get and newline < MAX_KEY + 5:
                     self.activity += 1
                     try:
                         return self._get_one(tokens[1])
                     except ClockWait as wait:
                         return self._wait(data, wait, b"")
-                if 1 < count <= GET_BATCH:
+                count = len(tokens) - 1
+                if 0 < count <= GET_BATCH:
                     cas = self._get_words.get(tokens[0])
                     if cas is not None and not _may_hold_long_key(newline, tokens, count):
                         self.activity += 1
