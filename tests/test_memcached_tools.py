@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import signal
 import socket
 import subprocess
 import threading
@@ -357,3 +358,27 @@ def test_read_ahead_is_a_setting(daemons: DaemonFactory) -> None:
     bad = daemons.start("--read-ahead", "lots", wait=False)
     assert bad.proc.wait(10) != 0
     assert "invalid read ahead 'lots'" in bad.stderr()
+
+
+def test_sigterm_answers_the_requests_held_for_a_client_that_is_behind(daemons: DaemonFactory, short_tmp: Path) -> None:
+    """A client behind with its replies when the daemon is told to stop: what it had sent, held
+    unanswered meanwhile, is answered as it reads (within the stop's grace), then the connection closes."""
+    path = str(short_tmp / "k.sock")
+    daemon = daemons.start(port=None, sock=path)
+    keys = [b"key-%05d" % i for i in range(30_000)]  # 1.2 MB of replies: far more than a unix socket holds
+    with daemon.connect(timeout=10) as s:
+        s.sendall(b"get " + b" ".join(keys) + b"\r\n")
+        time.sleep(0.3)  # the daemon answers what the socket takes, and holds the rest
+        os.kill(daemon.pid, signal.SIGTERM)
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline:  # until the daemon has begun to stop: its listener is closed
+            try:
+                daemon.connect(timeout=1).close()
+            except OSError:
+                break
+            time.sleep(0.01)
+        reply = b""
+        while chunk := s.recv(65536):
+            reply += chunk
+    assert [k for k, _ in parse_values(reply)] == keys
+    assert daemon.proc.wait(5) == 0

@@ -278,8 +278,18 @@ class ConnectionHandler(ProtocolCore, asyncio.Protocol):
         self._conn = _CLOSED
 
     def close(self) -> None:
-        if self._transport is not None:
-            self._transport.close()
+        """Close once everything already received is answered and written (the daemon's stop, whose
+        grace period aborts what is still open): at once, unless the protocol holds input back while
+        the client takes its replies; then it reads nothing more and closes when that is answered."""
+        transport = self._transport
+        if transport is None:
+            return
+        conn = self._conn
+        if conn.backlog and not (conn.closing or conn.wait) and isinstance(conn, _HOLDS_INPUT):
+            self._eof = True  # as if the input had ended: _after_receive closes once the rest is answered
+            transport.pause_reading()
+            return
+        transport.close()
 
     def abort(self) -> None:
         if self._transport is not None:
