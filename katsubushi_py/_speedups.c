@@ -587,6 +587,14 @@ out_free(outbuf *o)
         PyMem_Free(o->data);
 }
 
+/* " 0 <length>\r\n" after a VALUE line's key, by the length of the ID (1 to 20 digits), padded to 8
+ * bytes so that one fixed-size copy writes it (the next write overwrites the padding). */
+static const char FLAGS_LENGTH[21][8] = {
+    "",          " 0 1\r\n",  " 0 2\r\n",  " 0 3\r\n",  " 0 4\r\n",  " 0 5\r\n",  " 0 6\r\n",
+    " 0 7\r\n",  " 0 8\r\n",  " 0 9\r\n",  " 0 10\r\n", " 0 11\r\n", " 0 12\r\n", " 0 13\r\n",
+    " 0 14\r\n", " 0 15\r\n", " 0 16\r\n", " 0 17\r\n", " 0 18\r\n", " 0 19\r\n", " 0 20\r\n",
+};
+
 /* Try to answer one line [p, end) (without its LF) as a GET the fast path may take. Returns 1 if
  * answered (reply appended), 0 if the line is for Python, -1 on error. */
 static int
@@ -594,6 +602,7 @@ text_fast_line(ConnCore *self, GenCore *gen, Counters *counters, const char *p, 
 {
     const char *keys[MAX_FAST_KEYS];
     Py_ssize_t keylen[MAX_FAST_KEYS];
+    Py_ssize_t total = 0; /* bytes of all the keys */
     int nkeys = 0;
 
     while (p < end && is_ws((unsigned char)*p))
@@ -626,6 +635,7 @@ text_fast_line(ConnCore *self, GenCore *gen, Counters *counters, const char *p, 
         keylen[nkeys] = p - keys[nkeys];
         if (keylen[nkeys] > MAX_KEY)
             return 0; /* CLIENT_ERROR in its place: Python's */
+        total += keylen[nkeys];
         nkeys++;
     }
     if (nkeys == 0)
@@ -633,10 +643,7 @@ text_fast_line(ConnCore *self, GenCore *gen, Counters *counters, const char *p, 
     int has = gen_has(gen, nkeys);
     if (has <= 0)
         return has; /* used up or expired: Python refills (and may wait or fail) */
-    Py_ssize_t need = 8; /* END\r\n */
-    for (int i = 0; i < nkeys; i++)
-        need += keylen[i] + 48;
-    if (out_reserve(out, need) < 0)
+    if (out_reserve(out, 8 + total + 48 * (Py_ssize_t)nkeys) < 0) /* each key's line and value, END */
         return -1;
     char *o = out->data + out->len;
     long long id = gen->next;
@@ -647,11 +654,8 @@ text_fast_line(ConnCore *self, GenCore *gen, Counters *counters, const char *p, 
         o += 6;
         memcpy(o, keys[i], keylen[i]);
         o += keylen[i];
-        memcpy(o, " 0 ", 3);
-        o += 3;
-        o += put_digits(o, (unsigned long long)nd);
-        *o++ = '\r';
-        *o++ = '\n';
+        memcpy(o, FLAGS_LENGTH[nd], 8); /* " 0 <nd>\r\n" and padding, then only its length kept */
+        o += nd < 10 ? 6 : 7;
         memcpy(o, digits, nd);
         o += nd;
         *o++ = '\r';

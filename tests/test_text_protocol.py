@@ -6,6 +6,7 @@ from conftest import FAKE_START_MS, FakeClock, decode, parse_values
 from katsubushi_py.daemon.stats import Stats
 from katsubushi_py.frontends.fastpath import REPLY_BUDGET
 from katsubushi_py.frontends.text import MAX_LINE, TextConnection
+from katsubushi_py.ids.layout import Layout
 from katsubushi_py.issuing.generator import Generator
 from katsubushi_py.issuing.issuer import Issuer
 
@@ -386,3 +387,16 @@ def test_gets_cas_streams_too(clock: FakeClock) -> None:
     for head, value in zip(lines[0:-2:2], lines[1:-2:2], strict=True):
         word, _, flags, length, cas = head.split(b" ")
         assert (word, flags, int(length), cas) == (b"VALUE", b"0", len(value), value)
+
+
+@pytest.mark.parametrize("keys", [1, 3, 100])
+@pytest.mark.parametrize("age_ms", [1, 1000])  # IDs of 7 and 10 digits
+def test_ids_of_other_lengths_are_framed_by_their_length(clock: FakeClock, keys: int, age_ms: int) -> None:
+    """A layout with a recent epoch makes IDs shorter than today's 19 digits (the compiled path
+    writes each VALUE line's length from a table by the ID's length)."""
+    layout = Layout(epoch_ms=FAKE_START_MS - age_ms, now_ms=FAKE_START_MS)
+    conn = text_conn(Generator(3, layout, clock=clock))
+    pairs = parse_values(conn.receive(b"get " + b" ".join(b"k%d" % i for i in range(keys)) + b"\r\n"))
+    ids = [i for _, i in pairs]
+    assert len(ids) == keys and all(len(str(i)) < 19 for i in ids) and ids == sorted(ids)
+    assert [layout.decompose(i).worker_id for i in ids] == [3] * keys
