@@ -1,4 +1,4 @@
-"""Builds the optional compiled hot path, ``katsubushi_py._speedups`` (everything else is in
+"""Builds the optional compiled hot path, ``katsubushi_py._speedups`` and ``_grpc_speedups`` (everything else is in
 pyproject.toml). Where no C compiler works, or with ``KATSUBUSHI_NO_EXTENSIONS=1`` set at build time,
 the extension is skipped with a warning and the pure-Python twin runs: the package still installs."""
 
@@ -25,6 +25,14 @@ class OptionalBuildExt(build_ext):
 
 
 skip = os.environ.get("KATSUBUSHI_NO_EXTENSIONS", "") not in ("", "0")
-extensions = [] if skip else [Extension("katsubushi_py._speedups", ["katsubushi_py/_speedups.c"])]
+extensions = (
+    []
+    if skip
+    else [
+        Extension("katsubushi_py._speedups", ["katsubushi_py/_speedups.c"]),
+        # The gRPC fast path (frontends/grpc_h2.py), a module of its own; each may fail alone.
+        Extension("katsubushi_py._grpc_speedups", ["katsubushi_py/_grpc_speedups.c"]),
+    ]
+)
 
 setup(ext_modules=extensions, cmdclass={"build_ext": OptionalBuildExt})

@@ -13,6 +13,11 @@ unfenced) by two holders at once. It reports, phase by phase:
 - **rolling restart**: every holder stopped cleanly (releasing its id) and replaced, 10% at a time;
 - **Redis restart**: redis-server killed (no persistence) and started again on the same port: the
   pool is lost, noticed, and waited out before anyone serves again.
+- **Redis restarted from a snapshot** (issue 21): an RDB snapshot taken a moment before redis-server
+  is killed, and it started again from it (every holder's last renew survived: how many keep serving
+  through the restart, how long new holders wait); then one taken longer ago than the ttl (no holder's
+  record is as it wrote it: every one stops, leases again, and the time until the whole fleet serves
+  again is the figure).
 
 Run it with the defaults for the figures in bench/RESULTS.md (1,000 holders, default timings: several
 minutes), or small and fast (``--holders 100 --ttl 3 --renew 1 --skew 1 --steady 4``) as the test
@@ -44,6 +49,7 @@ from redis_servers import RedisServer, start_redis  # noqa: E402
 from katsubushi_py.issuing.generator import Generator  # noqa: E402
 from katsubushi_py.leasing import LeaseTimings, parse_redis_url  # noqa: E402
 from katsubushi_py.leasing.keeper import LeaseKeeper, init_pool  # noqa: E402
+from katsubushi_py.leasing.replies import RenewOutcome  # noqa: E402
 
 CHECK_INTERVAL = 0.1
 
@@ -53,9 +59,9 @@ class SimKeeper(LeaseKeeper):
 
     renew_times: list[float]
 
-    async def renew(self, high_water_ms: int) -> tuple[str, list[Any]]:
+    async def renew(self, high_water_ms: int, local_ms: int) -> RenewOutcome | None:
         self.renew_times.append(time.monotonic())
-        return await super().renew(high_water_ms)
+        return await super().renew(high_water_ms, local_ms)
 
 
 @dataclass
@@ -126,6 +132,28 @@ class Sim:
                 self.double_samples += 1
                 self.doubles_max = max(self.doubles_max, twice)
             await asyncio.sleep(CHECK_INTERVAL)
+
+    async def restart_from(self, snapshot: Path, timeout: float) -> tuple[float, int, float]:
+        """Kill redis-server, start it again from ``snapshot``, and wait until every holder serves a
+        distinct id again; returns (seconds from the kill, holders never seen not serving meanwhile,
+        seconds until every holder that stopped serves again)."""
+        kept = {id(h) for h in self.holders}
+        self.server = self.server.restart_from(snapshot)
+        restarted = time.monotonic()
+        stopped_last = restarted
+        while True:
+            ids = [h.serving() for h in self.holders]
+            for h, i in zip(self.holders, ids, strict=True):
+                if i is None:
+                    kept.discard(id(h))
+                    stopped_last = time.monotonic()
+            if None not in ids and len(set(ids)) == len(ids) and time.monotonic() - restarted > self.args.renew:
+                break  # (and at least a renew interval after the restart, so every holder renewed once)
+            if time.monotonic() - restarted > timeout:
+                raise RuntimeError(f"only {len(ids) - ids.count(None)} of {len(ids)} holders serve after the restart")
+            await asyncio.sleep(0.05)
+        served = time.monotonic() - restarted
+        return served, len(kept), (stopped_last - restarted) if len(kept) < len(self.holders) else 0.0
 
     async def until_all_serve(self, holders: list[Holder], timeout: float) -> float:
         """Seconds until every one of ``holders`` serves, under ids no one else serves."""
@@ -228,6 +256,28 @@ class Sim:
             results["redis_restart_from_loss_s"] = time.monotonic() - lost
             results["redis_restart_doubles"] = self.double_samples
             results["data_loss_events_seen"] = sum(h.keeper.stats.data_loss_events for h in self.holders)
+
+            # Restarted from a snapshot taken a moment before the kill: every holder's last renew survived.
+            await asyncio.sleep(a.renew)  # every holder renewed since the last phase
+            timeout = a.renew + a.ttl + 2 * a.skew + 120
+            fresh = self.server.snapshot("fresh.rdb")
+            served, kept, _ = await self.restart_from(fresh, timeout)
+            results["snapshot_fresh_kept"] = kept
+            results["snapshot_fresh_all_serving_s"] = served
+            # A holder that joins now waits for the doubt window (ttl + 2 x skew from the restart).
+            joined = self.new_holder()
+            results["snapshot_fresh_joiner_s"] = await self.until_all_serve([joined], timeout=timeout)
+            self.holders.append(joined)
+            results["snapshot_fresh_doubles"] = self.double_samples
+
+            # Restarted from a snapshot older than the ttl: no holder's record is as it last wrote it.
+            old = self.server.snapshot("old.rdb")
+            await asyncio.sleep(a.ttl + a.renew)
+            served, kept, _ = await self.restart_from(old, timeout)
+            results["snapshot_old_all_serving_s"] = served
+            results["snapshot_old_kept"] = kept
+            results["snapshot_old_bound_s"] = a.renew + 2 * (a.ttl + 2 * a.skew)
+            results["snapshot_old_doubles"] = self.double_samples
         finally:
             watcher.cancel()
             await asyncio.gather(*(h.crash() for h in self.holders), return_exceptions=True)
@@ -260,6 +310,16 @@ def table(args: argparse.Namespace, r: dict[str, Any]) -> str:
             f" (bound renew + ttl + 2 x skew = {r['redis_restart_recovery_bound_s']:g} s)",
         ),
         ("Redis restart: every holder had noticed the loss after", f"{r['redis_restart_all_noticed_s']:.2f} s"),
+        (
+            "Redis restarted from a snapshot taken just before the kill: holders that kept serving",
+            f"{r['snapshot_fresh_kept']} of {args.holders}; all serving {r['snapshot_fresh_all_serving_s']:.2f} s"
+            f" after the kill; a holder started then served after {r['snapshot_fresh_joiner_s']:.2f} s",
+        ),
+        (
+            f"Redis restarted from a snapshot {args.ttl + args.renew:g} s old: all serving again after",
+            f"{r['snapshot_old_all_serving_s']:.2f} s ({r['snapshot_old_kept']} kept serving; bound renew + 2 x"
+            f" (ttl + 2 x skew) = {r['snapshot_old_bound_s']:g} s)",
+        ),
         ("ids served by two holders at once (checks every 100 ms)", f"{r['doubles_max']} in {r['checks']} checks"),
     ]
     return "\n".join(["| figure | value |", "|---|---|", *(f"| {k} | {v} |" for k, v in rows)])

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import logging
 import os
@@ -389,30 +390,29 @@ def cmd_lease(argv: Sequence[str]) -> int:
     except LeaseError as exc:
         return _fail(str(exc))
 
-    async def run() -> int:
+    async def run() -> list[str]:
+        """What to print: written after Redis is done with, so that an error writing it (a closed
+        pipe: ``lease list | head -1``) is not taken for a Redis error."""
         if args.action == "init":
             if not 0 <= args.min <= args.max <= MAX_POOL_ID:
                 raise LeaseError(f"need 0 <= --min <= --max <= {MAX_POOL_ID}")
             added = await init_pool(target, args.min, args.max)
             if added:
-                print(f"created worker id pool {args.min}..{args.max} in {target.display} ({added} ids)")
-            else:
-                print(f"pool already exists in {target.display}; unchanged")
-            return 0
+                return [f"created worker id pool {args.min}..{args.max} in {target.display} ({added} ids)"]
+            return [f"pool already exists in {target.display}; unchanged"]
         snapshot = await pool_snapshot(target)
         if args.action == "stats":
-            print(json.dumps(pool_stats(snapshot), indent=2))
-        else:
-            for row in snapshot["ids"]:
-                print(json.dumps(row, separators=(",", ":")))
-        return 0
+            return [json.dumps(pool_stats(snapshot), indent=2)]
+        return [json.dumps(row, separators=(",", ":")) for row in snapshot["ids"]]
 
     try:
-        return asyncio.run(run())
+        lines = asyncio.run(run())
     except LeaseError as exc:
         return _fail(str(exc))
     except Exception as exc:  # the Redis client's connection and protocol errors
         return _fail(f"{target.display}: {exc}", 1)
+    sys.stdout.write("".join(f"{line}\n" for line in lines))
+    return 0
 
 
 def cmd_help(argv: Sequence[str]) -> int:
@@ -425,7 +425,8 @@ def cmd_help(argv: Sequence[str]) -> int:
         return _fail(f"no command {name!r}; commands: {', '.join(COMMANDS)}")
     if name == "help":
         return cmd_help([])
-    return COMMANDS[name](["--help"])
+    # The rest names a subcommand's action: `help lease init` is `lease init --help`.
+    return COMMANDS[name]([*argv[1:], "--help"])
 
 
 COMMANDS: dict[str, Callable[[Sequence[str]], int]] = {
@@ -455,4 +456,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ConfigError as exc:
         return _fail(str(exc))
     except BrokenPipeError:
+        # The reader went away (``| head -1``): not an error. Point stdout at /dev/null so that the
+        # interpreter's final flush does not report the closed pipe again.
+        with contextlib.suppress(OSError):
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0

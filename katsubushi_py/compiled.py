@@ -35,5 +35,14 @@ else:
     except ImportError as exc:  # not built here (no compiler at install time)
         WHY_NOT_COMPILED = f"not built ({exc})"
 
+#: ``katsubushi_py._grpc_speedups``: the compiled twin of the gRPC fast path (frontends/grpc_fast.py
+#: PyGrpcCore), a module of its own, built and chosen under the same rules.
+grpc_speedups: ModuleType | None = None
+if speedups is not None:
+    try:
+        from . import _grpc_speedups as grpc_speedups
+    except ImportError:  # not built here: the gRPC front end runs its pure-Python fast path
+        grpc_speedups = None
+
 #: "compiled" or "python": what STATS shows as ``implementation``.
 IMPLEMENTATION = "compiled" if speedups is not None else "python"

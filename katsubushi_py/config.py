@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import ipaddress
 import os
 import re
 import socket
@@ -61,6 +62,9 @@ APP_DIR = "katsubushi-py"
 # host name is the one that counts; --hostname overrides it explicitly.)
 OUR_ENV_FLAGS = ("worker_id_from", "worker_id_offset", "workers")
 
+#: --loop's choices.
+LOOPS = ["auto", "uvloop", "asyncio"]
+
 #: More worker processes than this would use more worker ids than cores could ever need.
 MAX_WORKERS = 64
 
@@ -77,6 +81,10 @@ def parse_duration(text: str, name: str = "duration") -> float:
     """Seconds from a Go duration (``600s``, ``10m``, ``1h30m``, ``1.5h``, ``300ms``, ``0``) or bare
     seconds (``600``, ``0.5``), which katsubushi v1 took and v2 rejects."""
     raw = text.strip()
+    if raw.startswith("-"):
+        raise ConfigError(
+            f"invalid {name} {text!r}: must not be negative (0, seconds, or a Go duration such as 1s or 500ms)"
+        )
     if re.fullmatch(r"\d+(\.\d*)?|\.\d+", raw):
         return float(raw)
     pos, total = 0, 0.0
@@ -269,7 +277,13 @@ def build_parser(
         metavar="PORT",
         help=f"also serve go-katsubushi's gRPC service on --host (env GRPC_PORT; 0 = off; needs {GRPC_INSTALL_HINT})",
     )
-    _flag(parser, "loop", metavar="LOOP", choices=["auto", "uvloop", "asyncio"], help="event loop (default auto)")
+    _flag(
+        parser,
+        "loop",
+        metavar="LOOP",
+        choices=LOOPS,
+        help=f"event loop: {', '.join(LOOPS[:-1])} or {LOOPS[-1]} (default auto: uvloop when it is installed)",
+    )
     lease = parser.add_argument_group("worker ids leased from Redis (instead of --worker-id)")
     _flag(
         lease,
@@ -368,6 +382,25 @@ def listen_settings(given: Mapping[str, object]) -> tuple[str, int | None, str |
     return str(given.get("host", "127.0.0.1")), port, sock
 
 
+_HOST_NAME = re.compile(r"(?!-)[A-Za-z0-9-]{1,63}(?<!-)(\.(?!-)[A-Za-z0-9-]{1,63}(?<!-))*\.?")
+
+
+def _check_host(host: str) -> None:
+    """--host must be an IP address or a host name: ``999.1.1.1`` or ``10.0.0.1:80`` is a usage error
+    (exit 2), not a failed start. A well-formed name that does not resolve is left to the bind (exit 1:
+    DNS may not be up yet, and a restart can fix that)."""
+    if not host:
+        raise ConfigError("invalid --host '': give an address (0.0.0.0 or :: for every interface)")
+    if re.fullmatch(r"[0-9.]+", host) or ":" in host:
+        try:
+            ipaddress.ip_address(host)
+        except ValueError:
+            hint = " (give the port with --port)" if re.fullmatch(r"[^:]+:\d+", host) else ""
+            raise ConfigError(f"invalid --host {host!r}: not an IP address{hint}") from None
+    elif len(host) > 253 or not _HOST_NAME.fullmatch(host):
+        raise ConfigError(f"invalid --host {host!r}: not an IP address or a host name")
+
+
 def _check_parent_directory(path: str, option: str) -> None:
     """A missing directory is named, so the user knows what to create (and by whom: the daemon's user)."""
     parent = os.path.dirname(os.path.abspath(path))
@@ -456,6 +489,7 @@ def parse_server_config(
     workers = _int(given.get("workers", 1), "workers", 1, MAX_WORKERS)
     worker_id, worker_id_source = _worker_id(given, layout, lease is not None, "worker_id" in vars(args), workers)
     host, port, sock = listen_settings(given)
+    _check_host(host)
     if sock:
         _check_parent_directory(sock, "--sock")
     state_file = str(given.get("state_file") or "") or None
@@ -474,7 +508,7 @@ def parse_server_config(
             raise ConfigError(f"invalid sock mode {given['sock_mode']!r}: use octal such as 0660")
 
     idle = parse_duration(str(given.get("idle_timeout", DEFAULT_IDLE_TIMEOUT)), "idle timeout")
-    max_wait = parse_duration(str(given.get("max_clock_wait", "1s")), "max clock wait")
+    max_wait = parse_duration(str(given.get("max_clock_wait", "1s")), "--max-clock-wait")
     level_name = str(given.get("log_level", "info")).lower()
     if level_name not in LOG_LEVELS:
         raise ConfigError(f"invalid log level {level_name!r}: use debug, info, warn, error")
@@ -483,7 +517,7 @@ def parse_server_config(
     # As in go-katsubushi, port 0 (the default) means "no such listener".
     http_port = _int(given.get("http_port", 0), "http port", 0, 65535) or None
     grpc_port = _int(given.get("grpc_port", 0), "grpc port", 0, 65535) or None
-    if grpc_port is not None and not all(importlib.util.find_spec(m) for m in ("grpc", "grpc_reflection")):
+    if grpc_port is not None and not all(importlib.util.find_spec(m) for m in ("grpc", "grpc_reflection", "h2")):
         raise ConfigError(f"--grpc-port needs the grpc extra: {GRPC_INSTALL_HINT}")
     state_file, state_dir, state_source = _state_config(given, lease is not None, environ)
     if workers > 1 and state_file:

@@ -10,12 +10,15 @@ import sys
 import time
 
 from conftest import Daemon, DaemonFactory, daemon_env, parse_values, recv_until
+from id_recorder import Recorder
 from redis_servers import RedisServer
 
 from katsubushi_py.leasing import parse_redis_url
 from katsubushi_py.leasing.keeper import init_pool as keeper_init_pool
 
 TTL, RENEW, DELAY = 3.0, 1.0, 2.0
+# The high-availability tests' timings (test_ha_*.py): a ttl that outlasts a 3 s failover.
+TTL_HA, RENEW_HA = 9.0, 1.0
 FAKETIME_LIB = next(iter(glob.glob("/usr/lib/*/faketime/libfaketime.so.1")), "/nonexistent/libfaketime.so.1")
 
 
@@ -106,3 +109,33 @@ def run_tool(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", "katsubushi_py", *args], capture_output=True, text=True, timeout=30, env=daemon_env()
     )
+
+
+def check_followed_without_a_failed_request(
+    recorder: Recorder, loaded: list[Daemon], killed: float, failover: float, old: str, new: str, what: str
+) -> list[dict[str, str]]:
+    """What a clean failover under load (Sentinel or Cluster) must show, once the recorder stopped: no
+    duplicate, no failed request, every daemon served after the promotion and renewed on the new master
+    (``new``, host:port) within the failover time plus a renew interval (and the retry, and a loaded
+    machine's scheduling), kept its lease and its worker id, and said that it followed the master.
+    Prints the figures (``what`` names the case) and returns each daemon's STATS."""
+    assert recorder.duplicates() == 0, recorder.summary()
+    assert recorder.overlapping_holders() == []
+    assert [r.error for r in recorder.replies if r.error] == []  # no client request failed
+    fields = [stats(d) for d in loaded]
+    gaps = [int(f["lease_longest_renew_gap_ms"]) / 1000 for f in fields]
+    served_after = [len(recorder.served(d, killed + failover)) for d in range(len(loaded))]
+    print(
+        f"{what}: {recorder.summary()}; failover {failover:.2f} s; longest time without a confirmed renew per"
+        f" daemon {gaps} s; replies after the promotion {served_after}"
+    )
+    assert all(served_after)
+    assert max(gaps) <= failover + RENEW_HA + 1.5, gaps
+    for d, f in zip(loaded, fields, strict=True):
+        assert f["lease_redis_address"] == new, f
+        assert f["lease_master_changes"] == "1" and f["worker_id_changes"] == "0", f
+        assert f["lease_kept_through_change"] == "1" and f["lease_data_loss_events"] == "0", f
+        log = d.stderr()
+        assert f"changed: {old} -> {new}; following it" in log
+        assert "without a confirmed renew" in log and "issuing never stopped" in log
+    return fields

@@ -115,10 +115,13 @@ def test_a_daemon_that_issued_nothing_releases_cleanly_too(daemons: DaemonFactor
     assert "DATA LOSS" not in second.stderr()
 
 
-def test_killed_daemon_frees_its_id_after_expiry_and_the_next_holder_issues_greater_ids(
+def test_killed_daemon_frees_its_id_after_expiry_and_a_quarantine(
     daemons: DaemonFactory, redis_server: RedisServer
 ) -> None:
-    one = ("--min-worker-id", "9", "--max-worker-id", "9")
+    """A holder killed (no release): its lease expires, and an id that was never released is not free
+    (its holder may be alive: paused, cut off, its record damaged): the next daemon quarantines it for
+    ttl + 2 x skew, then leases it and issues greater IDs."""
+    one = ("--min-worker-id", "9", "--max-worker-id", "9", "--clock-skew-max", "1s")
     first = start_leased(daemons, redis_server.url, *one)
     issued = []
     for _ in range(20):
@@ -128,11 +131,13 @@ def test_killed_daemon_frees_its_id_after_expiry_and_the_next_holder_issues_grea
     second = start_leased(daemons, redis_server.url, *one, wait=False)
     wait_for_port(second.port, second.proc, timeout=30)  # type: ignore[arg-type]
     wait_serving(second, timeout=30)
-    # It could only take the id once the lease expired, and then waited out the delay.
-    assert time.monotonic() - killed_at >= TTL - 1.0
+    # It could only quarantine the id once the lease expired, and then waited out the quarantine.
+    assert time.monotonic() - killed_at >= TTL - 1.0 + TTL + 2 * 1.0
     later = ids(second, 50)
     assert {decode(i)[1] for i in later} == {9}
     assert min(later) > max(issued)
+    assert "worker id 9's lease in" in second.stderr() and "ended without a release" in second.stderr()
+    assert stats(second)["lease_quarantined_ids"] == "1" and stats(second)["lease_data_loss_events"] == "0"
 
 
 @pytest.mark.skipif(not os.path.exists(FAKETIME_LIB), reason="libfaketime is not installed (apt-get install faketime)")
@@ -140,17 +145,25 @@ def test_next_holder_with_a_slow_clock_still_issues_greater_ids(
     daemons: DaemonFactory, redis_server: RedisServer
 ) -> None:
     """The previous holder's last millisecond is handed over: a successor whose clock is 4 s behind
-    answers SERVER_ERROR until its clock passes it, and never issues a smaller ID."""
+    waits, fenced and saying why, until its clock passes it (it does not claim to serve and answer
+    ``clock moved backwards``), and never issues a smaller ID."""
     one = ("--min-worker-id", "3", "--max-worker-id", "3")
     first = start_leased(daemons, redis_server.url, *one)
     issued = ids(first, 100)
     assert first.stop() == 0
     slow = {"LD_PRELOAD": FAKETIME_LIB, "FAKETIME": "-4"}
-    second = start_leased(daemons, redis_server.url, *one, env=slow)
+    second = start_leased(daemons, redis_server.url, *one, env=slow, wait=False)
+    wait_for_port(second.port, second.proc)  # type: ignore[arg-type]
+    wait_until(lambda: stats(second)["lease_state"] == "delay", timeout=10)
     reply = get(second)
-    assert isinstance(reply, bytes) and reply.startswith(b"SERVER_ERROR clock moved backwards"), reply
-    later = wait_until(lambda: (r := get(second, 10)) and isinstance(r, list) and r, timeout=10)
-    assert min(later) > max(issued)
+    assert isinstance(reply, bytes) and reply.startswith(
+        b"SERVER_ERROR worker id lease not confirmed: waiting for this host's clock to pass the handover mark"
+    ), reply
+    wait_serving(second, timeout=10)
+    assert min(ids(second, 10)) > max(issued)
+    log = second.stderr()
+    assert "s for this host's clock to pass the handover mark before serving" in log
+    assert log.index("leased worker id 3") < log.index("serving worker id 3")
 
 
 @pytest.mark.skipif(not os.path.exists(FAKETIME_LIB), reason="libfaketime is not installed (apt-get install faketime)")
@@ -238,7 +251,7 @@ def test_overwritten_owner_token_stops_issuing_and_moves_to_a_new_id(
     assert "is no longer ours" in d.stderr()
 
 
-def test_replica_majority_is_waited_for(daemons: DaemonFactory, redis_server: RedisServer, tmp_path: Path) -> None:
+def test_the_replica_is_waited_for(daemons: DaemonFactory, redis_server: RedisServer, tmp_path: Path) -> None:
     replica = start_redis(tmp_path / "replica", "--replicaof", "127.0.0.1", str(redis_server.port))
     try:
         wait_until(lambda: redis_server.client().info("replication")["connected_slaves"] == 1, timeout=10)
@@ -325,6 +338,8 @@ def test_lease_tools(daemons: DaemonFactory, redis_server: RedisServer) -> None:
     assert [r["worker_id"] for r in rows] == list(range(1, 11))
     held = [r for r in rows if r["in_use"]]
     assert len(held) == 1 and held[0]["worker_id"] == decode(issued[0])[1] and held[0]["owner"]
+    assert [r["state"] for r in rows].count("held") == 1 and [r["state"] for r in rows].count("free") == 9
+    assert summary["redis_identity"] == summary["pool_identity"] and not summary["redis_changed_unseen"]
     assert held[0]["last_ms"] >= decode(issued[-1])[0]
 
 

@@ -5,6 +5,7 @@ socket, both, and read from the daemon's process with --pid)."""
 from __future__ import annotations
 
 import os
+import re
 import socket
 import subprocess
 import threading
@@ -271,3 +272,65 @@ def test_health_bad_options_are_unhealthy_not_status_2() -> None:
     """Docker reserves exit status 2 for health checks: every failure is 1."""
     assert_unhealthy(health("--port", "banana"), "invalid port 'banana'")
     assert_unhealthy(health("--port", "0"), "port 0")
+
+
+# -- usage errors and help a newcomer meets (issue 25) ---------------------------------------------
+def test_help_with_an_action_shows_that_actions_help() -> None:
+    """``help lease init`` is ``lease init --help``, not the help of ``lease``."""
+    result = run("help", "lease", "init")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("usage: katsubushi-py lease init")
+    assert "--min" in result.stdout and "--max" in result.stdout
+    assert result.stdout == run("lease", "init", "--help").stdout
+
+
+def test_loop_help_lists_its_choices() -> None:
+    text = " ".join(run("--help").stdout.split())
+    # Python 3.13's argparse names the metavar once ("--loop, -loop LOOP"),
+    # earlier versions after each option string.
+    assert re.search(r"--loop(?: LOOP)?, -loop LOOP event loop: auto, uvloop or asyncio", text), text
+
+
+@pytest.mark.parametrize("value", ["-1", "-1s", "-0.5"])
+def test_a_negative_max_clock_wait_says_so(value: str) -> None:
+    result = run("--worker-id", "1", f"--max-clock-wait={value}")
+    assert result.returncode == 2
+    assert result.stderr == (
+        f"katsubushi-py: error: invalid --max-clock-wait {value!r}: must not be negative (0, seconds, or a Go"
+        " duration such as 1s or 500ms)\n"
+    )
+
+
+@pytest.mark.parametrize(
+    ("host", "message"),
+    [
+        ("999.1.1.1", "invalid --host '999.1.1.1': not an IP address"),
+        ("1.2.3", "invalid --host '1.2.3': not an IP address"),
+        ("10.0.0.1:11212", "invalid --host '10.0.0.1:11212': not an IP address (give the port with --port)"),
+        ("::g", "invalid --host '::g': not an IP address"),
+        ("my host", "invalid --host 'my host': not an IP address or a host name"),
+        ("", "invalid --host '': give an address (0.0.0.0 or :: for every interface)"),
+    ],
+)
+def test_a_host_that_is_not_an_address_is_a_usage_error(host: str, message: str) -> None:
+    """Exit status 2 and one line, like every other usage error (it was a failed bind: status 1)."""
+    result = run("--worker-id", "1", "--port", str(free_port()), "--host", host)
+    assert (result.returncode, result.stderr) == (2, f"katsubushi-py: error: {message}\n")
+
+
+def test_lease_list_into_a_closed_pipe_is_not_a_redis_error(redis_server: object) -> None:
+    """``lease list | head -1``: the first row, exit status 0, nothing on stderr (it was a
+    'Broken pipe' blamed on Redis, exit 1)."""
+    url = f"{redis_server.url}?ns=pipe"  # type: ignore[attr-defined]
+    env = {k: v for k, v in os.environ.items() if k.upper() != "REDIS"}
+    assert run("lease", "init", "--redis", url, env=env).returncode == 0
+    command = " ".join([*DAEMON_CMD, "lease", "list", "--redis", f"'{url}'"])
+    result = subprocess.run(
+        ["bash", "-o", "pipefail", "-c", f"{command} | head -1"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        env=env,
+    )
+    assert (result.returncode, result.stderr) == (0, "")
+    assert result.stdout.startswith('{"worker_id":1,') and len(result.stdout.splitlines()) == 1

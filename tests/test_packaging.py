@@ -95,6 +95,8 @@ def test_wheel_contains_every_subpackage_and_module(built: Built) -> None:
     # Built where a C compiler exists (here): the compiled hot path is in the wheel, its source is not.
     assert any(name.startswith("katsubushi_py/_speedups.") and name.endswith(".so") for name in names)
     assert "katsubushi_py/_speedups.c" not in names
+    assert any(name.startswith("katsubushi_py/_grpc_speedups.") and name.endswith(".so") for name in names)
+    assert "katsubushi_py/_grpc_speedups.c" not in names
     assert not any(name.startswith(("tests/", "bench/")) for name in names)
     dist_info = f"katsubushi_py-{katsubushi_py.__version__}.dist-info"
     assert f"{dist_info}/licenses/LICENSE" in names
@@ -120,6 +122,9 @@ def test_sdist_contains_the_docs_tests_and_deployment_files(built: Built) -> Non
         "tests/conftest.py",
         "katsubushi_py/__init__.py",
         "katsubushi_py/_speedups.c",
+        "katsubushi_py/_grpc_speedups.c",
+        "tests/grpc_js/package-lock.json",
+        "tests/grpc_js/client.js",
         "setup.py",
         "bench/loadgen.c",
     ):
@@ -246,4 +251,4 @@ def test_without_a_c_compiler_the_sdist_still_builds_a_working_wheel(built: Buil
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     names = zipfile.ZipFile(the_wheel(out)).namelist()
     assert "katsubushi_py/issuing/generator.py" in names
-    assert not any(name.startswith("katsubushi_py/_speedups.") for name in names), names
+    assert not any(name.startswith(("katsubushi_py/_speedups.", "katsubushi_py/_grpc_speedups.")) for name in names)

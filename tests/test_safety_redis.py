@@ -219,7 +219,7 @@ def test_local_memory_outlives_what_redis_says(
     """A leasing daemon is killed; Redis's pool is wiped and made anew with `lease init` (which serves
     at once: an operator's step, no recovery wait). A daemon of the same host, with the same state
     directory and a clock 4 s behind, leases the same id at once, but its state file remembers how
-    far the killed one may have issued: it refuses to issue until its clock has passed that."""
+    far the killed one may have issued: it does not serve until its clock has passed that."""
     state = tmp_path / "shared-state"
     one = ("--min-worker-id", "6", "--max-worker-id", "6", "--state-dir", str(state), *skew_args(5))
     first = start_leased(daemons, redis_server.url, *one)
@@ -230,7 +230,8 @@ def test_local_memory_outlives_what_redis_says(
         redis_server.client().flushall()
         init_pool(redis_server.url)
         behind = {"LD_PRELOAD": FAKETIME_LIB, "FAKETIME": "-4"}
-        second = start_leased(daemons, redis_server.url, *one, init=False, env=behind)
+        second = start_leased(daemons, redis_server.url, *one, init=False, env=behind, wait=False)
+        wait_until(lambda: "for this host's clock to pass the handover mark" in second.stderr(), timeout=15)
         first_reply = get(second)
         recorder.add(second)
         wait_until(lambda: recorder.served(1), timeout=15, step=0.1)
@@ -238,7 +239,9 @@ def test_local_memory_outlives_what_redis_says(
     finally:
         recorder.stop()
     assert recorder.duplicates() == 0, recorder.summary()
-    assert isinstance(first_reply, bytes) and first_reply.startswith(b"SERVER_ERROR clock moved backwards")
+    assert isinstance(first_reply, bytes) and first_reply.startswith(
+        b"SERVER_ERROR worker id lease not confirmed: waiting for this host's clock to pass the handover mark"
+    )
     before, after = recorder.served(0), recorder.served(1)
     assert min(min(r.ids) for r in after) > max(max(r.ids) for r in before)
     print(f"local memory: {recorder.summary()}")

@@ -8,11 +8,13 @@ import json
 import os
 import signal
 import stat
+import time
 from pathlib import Path
 
 import pytest
 from conftest import FAKE_START_MS, DaemonFactory, FakeClock, decode
-from lease_helpers import ids, init_pool, run_tool, start_leased, stats
+from id_recorder import Recorder
+from lease_helpers import ids, init_pool, run_tool, start_leased, stats, wait_until
 from redis_servers import RedisServer
 
 from katsubushi_py.config import default_state_dir
@@ -238,3 +240,126 @@ def test_a_state_file_of_another_worker_id_is_not_adopted(tmp_path: Path) -> Non
     with pytest.raises(StateFileError, match="was written by worker id 4, not 3"):
         gen.switch_worker(3, 0, directory.claim(3))
     directory.claim(3).unlock()  # not left locked
+
+
+# -- one file, whatever path reaches it (issue 21) -------------------------------------------------
+def _second_on_the_same_file(daemons: DaemonFactory, first, path: Path) -> tuple[Recorder, object]:  # type: ignore[no-untyped-def]
+    """Start a second daemon with ``path`` (another way to the first one's state file) and the same
+    worker id while the first serves under load; load the second too if it listens. Returns once it
+    exited, or after a few seconds of load."""
+    recorder = Recorder([first]).start()
+    second = daemons.start("--state-file", str(path), worker_id=7, wait=False)
+    try:
+        deadline = time.monotonic() + 8
+        added = False
+        while time.monotonic() < deadline and second.proc.poll() is None:
+            if not added:
+                try:
+                    second.connect(timeout=0.2).close()
+                    recorder.add(second)
+                    added = True
+                except OSError:
+                    pass
+            time.sleep(0.05)
+        time.sleep(0.5)
+    finally:
+        recorder.stop()
+    return recorder, second
+
+
+def test_a_state_file_reached_through_a_symlink_is_one_file(daemons: DaemonFactory, tmp_path: Path) -> None:
+    """Two daemons with one worker id, one given the state file, the other a symlink to it: one lock,
+    whatever the path; the second exits within seconds naming the file."""
+    real = tmp_path / "real" / "state"
+    real.parent.mkdir()
+    link = tmp_path / "link-to-state"
+    link.symlink_to(real)
+    first = daemons.start("--state-file", str(real), worker_id=7)
+    started = time.monotonic()
+    recorder, second = _second_on_the_same_file(daemons, first, link)
+    assert recorder.duplicates() == 0, recorder.summary()
+    assert second.proc.poll() == 1 and time.monotonic() - started < 8  # type: ignore[attr-defined]
+    line = error_line(second.stderr())  # type: ignore[attr-defined]
+    assert str(link) in line and f"is in use by pid {first.pid}" in line, line
+    print(f"symlinked state file: {recorder.summary()}; second daemon: {line}")
+
+
+def test_a_state_file_with_another_hard_link_is_refused(daemons: DaemonFactory, tmp_path: Path) -> None:
+    """The same with a hard link: the second daemon exits within seconds, naming the file and why; the
+    first never breaks the link (it writes the file in place while it has more than one)."""
+    real = tmp_path / "state"
+    first = daemons.start("--state-file", str(real), worker_id=7)
+    assert ids(first)
+    link = tmp_path / "hard-link-to-state"
+    os.link(real, link)
+    started = time.monotonic()
+    recorder, second = _second_on_the_same_file(daemons, first, link)
+    assert recorder.duplicates() == 0, recorder.summary()
+    assert second.proc.poll() == 1 and time.monotonic() - started < 8  # type: ignore[attr-defined]
+    line = error_line(second.stderr())  # type: ignore[attr-defined]
+    assert str(link) in line and "2 hard links" in line, line
+    print(f"hard-linked state file: {recorder.summary()}; second daemon: {line}")
+    # The first daemon goes on reserving ahead (a window every 2 s under load) without breaking the link.
+    before = json.loads(real.read_text())["high_water_ms"]
+    wait_until(lambda: ids(first, 50) and json.loads(real.read_text())["high_water_ms"] > before, timeout=10)
+    assert os.stat(real).st_ino == os.stat(link).st_ino
+    assert json.loads(link.read_text())["high_water_ms"] == json.loads(real.read_text())["high_water_ms"]
+    assert "has 2 hard links: writing it in place" in first.stderr()
+
+
+def test_a_state_directory_reached_through_a_symlink_is_one_directory(daemons: DaemonFactory, tmp_path: Path) -> None:
+    """A state directory given by two paths (one a symlink to the other): its lock files are the same
+    files, so a second daemon with the same worker id is refused, naming the file it could not take."""
+    real = tmp_path / "state-dir"
+    real.mkdir()
+    link = tmp_path / "state-dir-link"
+    link.symlink_to(real)
+    first = daemons.start("--state-dir", str(real), worker_id=3)
+    assert ids(first)
+    second = daemons.start("--state-dir", str(link), worker_id=3, wait=False)
+    assert second.proc.wait(20) == 1
+    line = error_line(second.stderr())
+    assert "worker-3.state" in line and f"is in use by pid {first.pid}" in line, line
+
+
+def test_state_file_lock_and_writes_follow_symlinks(tmp_path: Path) -> None:
+    real = tmp_path / "real" / "worker.state"
+    real.parent.mkdir()
+    link = tmp_path / "worker.state"
+    link.symlink_to(real)
+    held = StateFile(real)
+    held.lock()
+    with pytest.raises(StateFileInUse, match=f"state file {link} \\(that is, {real}\\) is in use by pid"):
+        StateFile(link).lock()
+    held.unlock()
+    via_link = StateFile(link)
+    via_link.lock()
+    via_link.store(FAKE_START_MS, 1)
+    assert link.is_symlink() and StateFile(real).load() == FAKE_START_MS  # the link is still a link
+    assert sorted(p.name for p in real.parent.iterdir()) == ["worker.state", "worker.state.lock"]
+    via_link.unlock()
+
+
+def test_state_file_with_two_hard_links(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    path = tmp_path / "state"
+    StateFile(path).store(FAKE_START_MS, 1)
+    other = tmp_path / "other-name"
+    os.link(path, other)
+    for name in (path, other):
+        with pytest.raises(StateFileError, match=f"state file {name} has 2 hard links"):
+            StateFile(name).lock()
+        assert not StateFile(name).locked
+    os.unlink(other)
+    held = StateFile(path)
+    held.lock()  # one link again: fine
+    os.link(path, other)  # linked while held: written in place, the link kept, said once
+    held.store(FAKE_START_MS + 10_000, 1)
+    held.store(FAKE_START_MS + 20, 1)  # over a line of another length (blank padding, or longer)
+    assert os.stat(path).st_ino == os.stat(other).st_ino
+    assert StateFile(other).load() == FAKE_START_MS + 20
+    assert [r.getMessage() for r in caplog.records].count(
+        f"state file {path} has 2 hard links: writing it in place so that its names stay one file. A daemon"
+        f" refuses to start on a state file with more than one link; remove the others (find / -xdev -samefile"
+        f" {path})"
+    ) == 1
+    held.unlock()

@@ -227,6 +227,7 @@ class ConnectionHandler(ProtocolCore, asyncio.Protocol):
             return
         if conn.activity == self._last_activity and self._wait_handle is None:
             log.debug("closing idle connection")
+            self._say_goodbye()
             transport.close()
             return
         self._last_activity = conn.activity
@@ -277,6 +278,15 @@ class ConnectionHandler(ProtocolCore, asyncio.Protocol):
             self._daemon.connection_closed()
         self._conn = _CLOSED
 
+    def _say_goodbye(self) -> None:
+        """A protocol with last words before a close (gRPC's GOAWAY) says them now."""
+        goodbye = getattr(self._conn, "goodbye", None)
+        transport = self._transport
+        if goodbye is not None and transport is not None and not transport.is_closing():
+            farewell = goodbye()
+            if farewell:
+                transport.write(farewell)
+
     def close(self) -> None:
         """Close once everything already received is answered and written (the daemon's stop, whose
         grace period aborts what is still open): at once, unless the protocol holds input back while
@@ -285,10 +295,11 @@ class ConnectionHandler(ProtocolCore, asyncio.Protocol):
         if transport is None:
             return
         conn = self._conn
-        if conn.backlog and not (conn.closing or conn.wait) and isinstance(conn, _HOLDS_INPUT):
+        if isinstance(conn, _HOLDS_INPUT) and conn.backlog and not (conn.closing or conn.wait):
             self._eof = True  # as if the input had ended: _after_receive closes once the rest is answered
             transport.pause_reading()
             return
+        self._say_goodbye()
         transport.close()
 
     def abort(self) -> None:

@@ -107,6 +107,11 @@ class DaemonCollector(Collector):
         info.add_metric([issuer.version, generator.layout.describe(), str(generator.layout.epoch_ms)], 1)
         yield info
         yield GaugeMetricFamily(
+            "katsubushi_id_lifetime_end_timestamp_seconds",
+            "Unix time when the layout's time bits run out: no ID can be issued from then on",
+            value=generator.layout.lifetime_end_ms / 1000,
+        )
+        yield GaugeMetricFamily(
             "katsubushi_can_issue",
             "1 when an ID can be issued now (what /healthz answers 200 for), else 0",
             value=1 if issuer.health() is None else 0,
@@ -156,6 +161,69 @@ def _lease_metrics(fields: dict[str, object]) -> Iterator[Metric]:
         "katsubushi_lease_pool_free_ids",
         "Worker ids of the pool free at the last renew",
         value=_number(fields.get("lease_pool_free")),
+    )
+    # Restarts and failovers of Redis, quarantines and Redis's clock (issue 21).
+    yield CounterMetricFamily(
+        "katsubushi_lease_redis_changes",
+        "Restarts or failovers of Redis this daemon learned of (the pool's Redis run_id or master_replid changed)",
+        value=_number(fields.get("lease_redis_changes")),
+    )
+    yield CounterMetricFamily(
+        "katsubushi_lease_kept_through_change",
+        "Times this daemon's lease was kept through a Redis restart or failover (its record intact)",
+        value=_number(fields.get("lease_kept_through_change")),
+    )
+    yield CounterMetricFamily(
+        "katsubushi_lease_quarantined_ids",
+        "Worker ids this daemon quarantined in Redis (never released, damaged, in doubt, state file conflicts)",
+        value=_number(fields.get("lease_quarantined_ids")),
+    )
+    yield CounterMetricFamily(
+        "katsubushi_lease_skipped_live_leases",
+        "Leases expired by Redis's clock that this daemon left to their holder (its mark still ahead)",
+        value=_number(fields.get("lease_skipped_live_leases")),
+    )
+    yield CounterMetricFamily(
+        "katsubushi_lease_redis_clock_steps",
+        "Jumps of Redis's clock against this host's, seen across renews",
+        value=_number(fields.get("lease_redis_clock_steps")),
+    )
+    yield GaugeMetricFamily(
+        "katsubushi_lease_redis_clock_offset_seconds",
+        "Redis TIME minus this host's clock, at the last renew",
+        value=_number(fields.get("lease_redis_clock_offset_ms")) / 1000,
+    )
+    # Following the master through a Sentinel or Cluster failover, and the replica wait (issue 24).
+    yield CounterMetricFamily(
+        "katsubushi_lease_master_changes",
+        "Times the pool's Redis master moved to another address (a Sentinel or Cluster failover) and was followed",
+        value=_number(fields.get("lease_master_changes")),
+    )
+    since = _number(fields.get("lease_since_renew_ms"))
+    yield GaugeMetricFamily(
+        "katsubushi_lease_since_renew_seconds",
+        "Time since the last confirmed lease renew (-1 before the first): how long the daemon has been without Redis",
+        value=since / 1000 if since >= 0 else -1.0,
+    )
+    yield GaugeMetricFamily(
+        "katsubushi_lease_longest_renew_gap_seconds",
+        "Longest time between two confirmed renews under the current lease",
+        value=_number(fields.get("lease_longest_renew_gap_ms")) / 1000,
+    )
+    yield CounterMetricFamily(
+        "katsubushi_lease_renew_outages",
+        "Stretches of failed renews that ended with a confirmed renew (Redis back, or a new master followed)",
+        value=_number(fields.get("lease_renew_outages")),
+    )
+    yield GaugeMetricFamily(
+        "katsubushi_lease_replicas_expected",
+        "Replicas every lease write must reach (the most the master has had since it started or was promoted)",
+        value=_number(fields.get("lease_replicas_expected")),
+    )
+    yield CounterMetricFamily(
+        "katsubushi_lease_replica_ack_failures",
+        "Lease writes that not every expected replica acknowledged in time (not counted as renewed or acquired)",
+        value=_number(fields.get("lease_replica_ack_failures")),
     )
 
 

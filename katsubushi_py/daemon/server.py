@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import errno
+import ipaddress
 import logging
 import os
 import resource
@@ -22,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .. import __version__
+from ..compiled import IMPLEMENTATION, WHY_NOT_COMPILED
 from ..config import ServerConfig
 from ..issuing.errors import GenerationError
 from ..issuing.generator import Generator
@@ -37,6 +39,43 @@ log = logging.getLogger("katsubushi_py")
 
 # File descriptors the process needs besides its client connections (listeners, logs, state file).
 _SPARE_FDS = 32
+
+
+def startup_warnings(addresses: list[str]) -> list[str]:
+    """What an operator should know about how this daemon runs, logged once it listens (so that a
+    failed start stays one line): the pure-Python hot path, and listeners beyond loopback."""
+    lines = []
+    if IMPLEMENTATION != "compiled":
+        advice = (
+            "; reinstall where a C compiler and the Python headers exist (gcc, python3-dev) to build it"
+            if WHY_NOT_COMPILED.startswith("not built")
+            else ""
+        )
+        lines.append(
+            f"running the pure-Python hot path ({WHY_NOT_COMPILED}): expect about 0.6-0.75x memcached's"
+            " requests/s one key at a time instead of about 1.0x, and a fifth to a half of the compiled"
+            f" path's IDs/s with pipelined and multi-key GETs (bench/RESULTS.md){advice}"
+        )
+    exposed = [address for address in addresses if not _is_local(address)]
+    if exposed:
+        lines.append(
+            f"listening beyond loopback ({', '.join(exposed)}): the daemon has no authentication and no"
+            " encryption, so anyone who can reach these addresses can take IDs and read its stats; allow only"
+            " your applications (a firewall, a private network, a Kubernetes NetworkPolicy)"
+        )
+    return lines
+
+
+def _is_local(address: str) -> bool:
+    """A unix socket or a loopback address (``127.0.0.1:11212``, ``http://[::1]:8080``, ``grpc://...``)."""
+    address = address.split("://", 1)[-1]
+    if address.startswith(("/", "@")) or ":" not in address:
+        return True  # a unix socket (a path, or Linux's abstract namespace)
+    host = address[1 : address.index("]")] if address.startswith("[") else address.rsplit(":", 1)[0]
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
 
 
 class StartupError(RuntimeError):
@@ -90,10 +129,11 @@ def prepare_unix_socket(path: str) -> None:
 @dataclass
 class Listeners:
     """Listening sockets made elsewhere (by the ``--workers`` supervisor), served instead of binding
-    ``--port``, ``--sock`` and ``--http-port``."""
+    ``--port``, ``--sock``, ``--http-port`` and ``--grpc-port``."""
 
     memcached: list[socket.socket] = field(default_factory=list)
     http: list[socket.socket] = field(default_factory=list)
+    grpc: list[socket.socket] = field(default_factory=list)
 
 
 class Daemon:
@@ -113,14 +153,13 @@ class Daemon:
         self.loop = loop
         self.stats = Stats(self.issuer, config.max_connections, config.idle_timeout)
         self.issuer.stats_fields = self.stats.fields
-        self.issuer.settings_fields = lambda: settings_fields(config)
+        self.issuer.settings_fields = lambda: settings_fields(config, generator.state_path)
         self.connections: set[ConnectionHandler] = set()
         self.servers: list[asyncio.AbstractServer | SocketServer] = []
         self.stopping = False
         self._all_closed: asyncio.Event | None = None
         self.addresses: list[str] = []
         self._own_socket = False
-        self.grpc_server: Any = None  # grpc.aio.Server, with the grpc extra
 
     def connection_closed(self) -> None:
         if self._all_closed is not None and not self.connections:
@@ -177,23 +216,21 @@ class Daemon:
             await self._listen_tcp(factory, port, "http://")
 
     async def _start_grpc(self, port: int) -> None:
-        from ..frontends.grpc_service import GrpcListenError, start_grpc_server
+        """gRPC over HTTP/2 (:mod:`~katsubushi_py.frontends.grpc_h2`) through the same glue as memcached
+        and HTTP (limit, counters, idle timeout, flow control, clock waits); h2 and protobuf load only here."""
+        from ..frontends.grpc_frames import TOO_MANY_CONNECTIONS
+        from ..frontends.grpc_h2 import GrpcConnection
+        from ..frontends.grpc_service import GrpcService
 
-        config = self.config
-        try:
-            self.grpc_server, bound = await start_grpc_server(
-                self.issuer,
-                config.host,
-                port,
-                idle_timeout=config.idle_timeout,
-                max_concurrent_rpcs=config.max_connections,
-            )
-        except GrpcListenError as exc:
-            await self.close_listeners()
-            raise StartupError(str(exc)) from None
-        self.addresses.append(
-            f"grpc://[{config.host}]:{bound}" if ":" in config.host else f"grpc://{config.host}:{bound}"
-        )
+        service = GrpcService(self.issuer)
+
+        def factory() -> ConnectionHandler:
+            return ConnectionHandler(self, lambda: GrpcConnection(service), TOO_MANY_CONNECTIONS)
+
+        if self.listeners is not None and self.listeners.grpc:
+            await self._serve_sockets(factory, self.listeners.grpc, "grpc://", direct=DIRECT)
+        else:
+            await self._listen_tcp(factory, port, "grpc://", direct=DIRECT)
 
     async def start(self) -> None:
         config = self.config
@@ -290,8 +327,6 @@ class Daemon:
         self.issuer.unavailable = "shutting down"
         for server in self.servers:
             server.close()
-        # gRPC calls in flight get the same grace, at the same time.
-        grpc_stopped = asyncio.ensure_future(self.grpc_server.stop(grace)) if self.grpc_server is not None else None
         self._all_closed = asyncio.Event()
         if self.connections:
             for handler in list(self.connections):
@@ -301,9 +336,6 @@ class Daemon:
             for handler in list(self.connections):
                 handler.abort()
         await self.close_listeners()
-        if grpc_stopped is not None:
-            await grpc_stopped
-            self.grpc_server = None
 
 
 def _lease_failure(keeper: LeaseKeeper, exc: BaseException) -> StartupError:
@@ -359,7 +391,11 @@ async def serve(
                 claim_state=claim_state,
                 on_change=lease_changed,
             )
-            issuer.unavailable = "waiting for a worker id lease"
+            # What the keeper's first step says, said already: a client that connects as soon as the
+            # port listens may be answered before that step runs.
+            waiting = f"waiting for a worker id lease: connecting to Redis at {lease.target.display}"
+            generator.set_fence(0, waiting)
+            issuer.unavailable = waiting
             daemon.stats.extra = keeper.stat_fields
         raise_fd_limit(config.max_connections + _SPARE_FDS)
         await daemon.start()
@@ -389,6 +425,9 @@ async def serve(
                 state,
             )
             keeping = loop.create_task(keeper.run(generator))
+        if listeners is None:  # (the --workers supervisor says it once for all its processes)
+            for line in startup_warnings(daemon.addresses):
+                log.warning("%s", line)
         if ready is not None:
             ready(daemon)
         stopping = loop.create_task(stop.wait())

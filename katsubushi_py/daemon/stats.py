@@ -90,9 +90,10 @@ class Stats:
         ]
 
 
-def settings_fields(config: ServerConfig) -> list[tuple[str, object]]:
+def settings_fields(config: ServerConfig, state_path: str | None = None) -> list[tuple[str, object]]:
     """The daemon's settings for ``stats settings``: memcached's names first (``maxconns``,
-    ``tcpport``, ``inter``, ``domain_socket``, ``idle_timeout``), then ours. Values have no spaces."""
+    ``tcpport``, ``inter``, ``domain_socket``, ``idle_timeout``), then ours. Values have no spaces.
+    ``state_path``: the state file in use now (in the state directory, or --state-file's)."""
     fields: list[tuple[str, object]] = [
         ("maxconns", config.max_connections),
         ("tcpport", config.port if config.port is not None else 0),
@@ -102,7 +103,8 @@ def settings_fields(config: ServerConfig) -> list[tuple[str, object]]:
         ("idle_timeout", int(config.idle_timeout)),
         ("layout", config.layout.describe()),
         ("epoch_ms", config.layout.epoch_ms),
-        ("state_file", config.state_file or "NULL"),
+        ("state_file", state_path or config.state_file or "NULL"),
+        ("state_dir", config.state_dir or "NULL"),
         ("max_clock_wait", config.max_clock_wait),
         ("gets_cas", "yes" if config.gets_cas else "no"),
         ("read_ahead", config.read_ahead),

@@ -7,22 +7,22 @@ processes share nothing but the listening sockets. The cost is ID space: N worke
 
 How the sockets are shared:
 
-- **TCP** (memcached and HTTP): the supervisor opens one socket per process with ``SO_REUSEPORT``, all
+- **TCP** (memcached, HTTP and gRPC): the supervisor opens one socket per process with ``SO_REUSEPORT``, all
   bound to the same address, so the kernel spreads new connections over the processes. It keeps them
   open: a process that dies is restarted on the same socket, and connections that arrived meanwhile
   wait in its backlog rather than being refused.
 - **The unix socket** (and sockets passed by systemd): one listening socket, inherited by every
   process, which all accept from it. The supervisor owns the socket file and removes it at the end.
-- **gRPC** is served by the first process only (grpcio binds its own port).
 
 Worker ids: consecutive from ``--worker-id`` (or from a host name ordinal times N, see
 :mod:`katsubushi_py.config`), or each process leases its own from Redis. State files are per worker
 id in the state directory, so each process has its own, locked while it runs.
 
-The supervisor restarts a process that dies (at once the first time, then with a growing pause if it
-keeps dying, up to 30 s), stops every process on SIGTERM or SIGINT (each drains as a single daemon
-does) and exits 0. If a process cannot start at all in the first seconds (a state file in use, say),
-the supervisor stops the others and exits 1: that is a configuration problem, not a crash.
+The supervisor restarts a process that dies (at once if it had run for 10 s; one that dies sooner
+after 0.5 s, doubling while it keeps dying that soon, up to 30 s), stops every process on SIGTERM or
+SIGINT (each drains as a single daemon does) and exits 0. If a process cannot start at all in the
+first seconds (a state file in use, say), the supervisor stops the others and exits 1: that is a
+configuration problem, not a crash.
 
 STATS: each process answers with its own fields, plus ``worker_processes``, ``worker_process`` (its
 index) and ``all_processes_*`` sums of the main counters over every process, which each process
@@ -46,16 +46,18 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 from ..config import ServerConfig
-from .activation import ActivationError, inherited_sockets
-from .server import Listeners, StartupError, prepare_unix_socket
+from .activation import ActivationError, describe, inherited_sockets
+from .server import Listeners, StartupError, prepare_unix_socket, startup_warnings
 
 if TYPE_CHECKING:
     from .server import Daemon
 
 log = logging.getLogger("katsubushi_py")
 
-# A process that dies this soon after starting is restarted after a growing pause.
+# A process that dies this soon after starting is restarted after a pause, doubled while it keeps dying
+# that soon; one that ran longer is restarted at once. (docs/operations.md says so: keep them in step.)
 _QUICK_DEATH_S = 10.0
+_FIRST_PAUSE_S = 0.5
 _MAX_PAUSE_S = 30.0
 # A process that cannot start within this long of the supervisor's start is a configuration problem.
 _STARTUP_GRACE_S = 3.0
@@ -179,7 +181,7 @@ def _die_with(supervisor: int) -> None:
 
 
 def child_config(config: ServerConfig, index: int) -> ServerConfig:
-    """Process ``index``'s configuration: its own worker id (or its own lease), gRPC only in the first."""
+    """Process ``index``'s configuration: its own worker id (or its own lease)."""
     worker_id = None if config.worker_id is None else config.worker_id + index
     source = config.worker_id_source if index == 0 else f"{config.worker_id_source} + {index} (worker process {index})"
     return replace(
@@ -187,7 +189,6 @@ def child_config(config: ServerConfig, index: int) -> ServerConfig:
         worker_id=worker_id,
         worker_id_source=source,
         workers=1,
-        grpc_port=config.grpc_port if index == 0 else None,
     )
 
 
@@ -229,14 +230,27 @@ class Supervisor:
                 per_process, reuseport_sockets(config.host, config.http_port, count, backlog), strict=True
             ):
                 listeners.http.append(sock)
+        if config.grpc_port is not None:
+            for listeners, sock in zip(
+                per_process, reuseport_sockets(config.host, config.grpc_port, count, backlog), strict=True
+            ):
+                listeners.grpc.append(sock)
         for listeners in per_process:
             listeners.memcached.extend(shared)
         self._shared = shared
         self.slots = [ProcessSlot(i, child_config(config, i), per_process[i]) for i in range(count)]
 
+    def addresses(self) -> list[str]:
+        """Where the processes listen (the first one's listeners, and gRPC's)."""
+        first = self.slots[0].listeners if self.slots else Listeners()
+        found = [describe(sock) for sock in first.memcached] + [f"http://{describe(s)}" for s in first.http]
+        if self.config.grpc_port is not None:
+            found.append(f"grpc://{self.config.host}:{self.config.grpc_port}")
+        return found
+
     def close_listeners(self) -> None:
         for slot in self.slots:
-            for sock in [*slot.listeners.memcached, *slot.listeners.http]:
+            for sock in [*slot.listeners.memcached, *slot.listeners.http, *slot.listeners.grpc]:
                 with contextlib.suppress(OSError):
                     sock.close()
         if self._unix_path is not None:
@@ -255,9 +269,9 @@ class Supervisor:
                 signal.pthread_sigmask(signal.SIG_SETMASK, set())
                 for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGCHLD):
                     signal.signal(signum, signal.SIG_DFL)
-                mine = {id(sock) for sock in [*slot.listeners.memcached, *slot.listeners.http]}
+                mine = {id(sock) for sock in [*slot.listeners.memcached, *slot.listeners.http, *slot.listeners.grpc]}
                 for other in self.slots:  # another process's SO_REUSEPORT socket must not stay open here
-                    for sock in [*other.listeners.memcached, *other.listeners.http]:
+                    for sock in [*other.listeners.memcached, *other.listeners.http, *other.listeners.grpc]:
                         if id(sock) not in mine:
                             sock.close()
                 code = self.run_child(slot.config, slot.listeners, self.board, slot.index)
@@ -283,6 +297,8 @@ class Supervisor:
                 len(self.slots),
                 ", ".join(str(slot.pid) for slot in self.slots),
             )
+            for line in startup_warnings(self.addresses()):
+                log.warning("%s", line)
             while not self._stopping:
                 timeout = self._next_restart_in()
                 if timeout is None:
@@ -326,7 +342,7 @@ class Supervisor:
             how = f"exited with status {code}" if code >= 0 else f"was killed by signal {-code}"
             if code == 1 and time.monotonic() - self._started < _STARTUP_GRACE_S:
                 return f"worker process {slot.index} could not start ({how})"
-            slot.pause = 0.0 if lived >= _QUICK_DEATH_S else min(_MAX_PAUSE_S, max(0.5, slot.pause * 2))
+            slot.pause = 0.0 if lived >= _QUICK_DEATH_S else min(_MAX_PAUSE_S, max(_FIRST_PAUSE_S, slot.pause * 2))
             slot.restart_at = time.monotonic() + slot.pause
             log.error(
                 "worker process %d (pid %d, worker id %s) %s after %.1f s; restarting it%s",

@@ -16,6 +16,15 @@ under the file (the state file itself is replaced on every write, so it cannot c
 the file records the worker id it was written for. The kernel drops the lock when the process dies,
 so a crash never leaves a stale lock behind.
 
+**One file, whatever path reaches it.** The lock file is named after the state file's real path
+(symlinks resolved, the file's and its directories'), so a daemon given a symlink locks what a daemon
+given the file locks, and the file is replaced at its real path (a symlink an operator made stays a
+symlink). A hard link cannot be resolved to one name: a state file with more than one is refused when
+it is locked (a daemon given the other name would lock another lock file), and while a daemon holds
+one that gained a link it writes it in place instead of replacing it, so the link is never silently
+broken into a stale copy that a daemon could later start from. What is not caught: a single file
+bind-mounted at two places (two mount points, one inode, one link).
+
 **State directory.** :class:`StateDirectory` keeps one such file per worker id,
 ``DIR/worker-<id>.state``: a daemon with a static worker id uses its own, and a daemon leasing worker
 ids from Redis uses the file of each id it holds, so it never issues under an id at or below the
@@ -27,6 +36,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import json
+import logging
 import os
 import zlib
 from pathlib import Path
@@ -53,11 +63,30 @@ class StateFile:
     process its only user."""
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
+        #: The path as given (in messages); :attr:`real_path` is the file it reaches.
         self.path = Path(path)
-        self.lock_path = self.path.with_name(self.path.name + ".lock")
+        self.real_path = Path(os.path.realpath(self.path))
+        self.lock_path = self.real_path.with_name(self.real_path.name + ".lock")
         #: The worker id the file was last written for (set by :meth:`load`; None: no file yet).
         self.recorded_worker_id: int | None = None
         self._lock_fd: int | None = None
+        self._warned_links = False
+
+    @property
+    def described(self) -> str:
+        """The path as given, and the file it reaches when that is another one (through a symlink)."""
+        if self.real_path == self.path.absolute():
+            return str(self.path)
+        return f"{self.path} (that is, {self.real_path})"
+
+    def _links(self) -> int:
+        """How many hard links the state file has (0: it does not exist yet)."""
+        try:
+            return os.stat(self.real_path).st_nlink
+        except FileNotFoundError:
+            return 0
+        except OSError as exc:
+            raise StateFileError(f"cannot read state file {self.described}: {exc.strerror or exc}") from None
 
     # -- ownership ---------------------------------------------------------------------------------
     @property
@@ -73,7 +102,7 @@ class StateFile:
             fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
         except OSError as exc:
             raise StateFileError(
-                f"cannot write state file {self.path} (its lock file {self.lock_path.name}): {exc.strerror or exc}"
+                f"cannot write state file {self.described} (its lock file {self.lock_path.name}): {exc.strerror or exc}"
             ) from None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -81,10 +110,22 @@ class StateFile:
             pid = _read_pid(fd)
             os.close(fd)
             holder = f"pid {pid}" if pid is not None else "another process"
-            raise StateFileInUse(f"state file {self.path} is in use by {holder}", pid) from None
+            raise StateFileInUse(f"state file {self.described} is in use by {holder}", pid) from None
         except OSError as exc:
             os.close(fd)
-            raise StateFileError(f"cannot lock state file {self.path}: {exc.strerror or exc}") from None
+            raise StateFileError(f"cannot lock state file {self.described}: {exc.strerror or exc}") from None
+        try:
+            links = self._links()
+        except StateFileError:
+            os.close(fd)
+            raise
+        if links > 1:
+            os.close(fd)
+            raise StateFileError(
+                f"state file {self.described} has {links} hard links: a daemon given another of its names would"
+                f" lock another lock file and issue under the same worker id. Give each daemon its own state"
+                f" file, and remove the other links (find them: find / -xdev -samefile {self.real_path})"
+            )
         with contextlib.suppress(OSError):  # the pid is for messages only
             os.ftruncate(fd, 0)
             os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
@@ -103,12 +144,12 @@ class StateFile:
     def load(self) -> int | None:
         """The stored mark in unix ms, or None when no file exists yet. Sets :attr:`recorded_worker_id`."""
         try:
-            raw = self.path.read_bytes()
+            raw = self.real_path.read_bytes()
         except FileNotFoundError:
             self.recorded_worker_id = None
             return None
         except OSError as exc:
-            raise StateFileError(f"cannot read state file {self.path}: {exc.strerror or exc}") from None
+            raise StateFileError(f"cannot read state file {self.described}: {exc.strerror or exc}") from None
         try:
             doc = json.loads(raw)
             mark = doc["high_water_ms"]
@@ -123,7 +164,7 @@ class StateFile:
             ok = False
         if not ok:
             raise StateFileError(
-                f"state file {self.path} is damaged (not a {FORMAT} record); refusing to guess the last"
+                f"state file {self.described} is damaged (not a {FORMAT} record); refusing to guess the last"
                 " issued time. Move it away only if you know no ID was issued after the clock's current time."
             )
         self.recorded_worker_id = worker_id
@@ -137,23 +178,55 @@ class StateFile:
             "worker_id": worker_id,
             "crc32": _crc(high_water_ms, worker_id),
         }
-        tmp = self.path.with_name(f".{self.path.name}.tmp")
+        line = (json.dumps(doc, separators=(",", ":")) + "\n").encode()
         try:
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-            try:
-                os.write(fd, (json.dumps(doc, separators=(",", ":")) + "\n").encode())
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-            os.replace(tmp, self.path)
-            dir_fd = os.open(self.path.parent, os.O_RDONLY)
-            try:
-                os.fsync(dir_fd)
-            finally:
-                os.close(dir_fd)
+            if self._links() > 1:
+                self._store_in_place(line)
+            else:
+                self._store_by_rename(line)
         except OSError as exc:
-            raise StateFileError(f"cannot write state file {self.path}: {exc.strerror or exc}") from None
+            raise StateFileError(f"cannot write state file {self.described}: {exc.strerror or exc}") from None
         self.recorded_worker_id = worker_id
+
+    def _store_by_rename(self, line: bytes) -> None:
+        """The usual way: a temporary file, fsynced, renamed over the file at its real path (so a
+        symlink stays a symlink), the directory fsynced: a crash leaves the old mark or the new one."""
+        tmp = self.real_path.with_name(f".{self.real_path.name}.tmp")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            os.write(fd, line)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, self.real_path)
+        dir_fd = os.open(self.real_path.parent, os.O_RDONLY)
+        try:
+            os.fsync(dir_fd)
+        finally:
+            os.close(dir_fd)
+
+    def _store_in_place(self, line: bytes) -> None:
+        """The file gained another hard link while we hold it: a rename would break the link and leave
+        the other name with a stale mark (from which a daemon could later start), so overwrite it in
+        one write of well under a disk sector, padded with blanks over the old line. A write torn by a
+        crash fails its CRC at the next start: refused, never trusted."""
+        if not self._warned_links:
+            self._warned_links = True
+            logging.getLogger("katsubushi_py").warning(
+                "state file %s has %d hard links: writing it in place so that its names stay one file. A daemon"
+                " refuses to start on a state file with more than one link; remove the others (find / -xdev"
+                " -samefile %s)",
+                self.described,
+                self._links(),
+                self.real_path,
+            )
+        fd = os.open(self.real_path, os.O_WRONLY)
+        try:
+            old = os.fstat(fd).st_size
+            os.pwrite(fd, line.ljust(old, b" "), 0)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
 
 
 def _read_pid(fd: int) -> int | None:

@@ -1,15 +1,32 @@
-"""Pool inspection for the ``katsubushi-py lease`` tools: one consistent read, judged by Redis TIME."""
+"""The ``katsubushi-py lease`` tools' side of a pool: creating one (``lease init``) and one consistent
+read of it, judged by Redis TIME, with the Redis it is served by now against the one it was last written
+under (a restart or failover that no daemon has touched the pool since shows as a mismatch)."""
 
 from __future__ import annotations
 
 import statistics
+import time
 from typing import Any
 
-from .target import RedisTarget, connect
+from .nodes import connect
+from .scripts import INIT_LUA
+from .target import RedisTarget
+from .timings import new_epoch
 
 
 def _text(value: Any) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
+
+
+async def init_pool(target: RedisTarget, min_id: int, max_id: int) -> int:
+    """``lease init``: create the pool for [min, max], serving at once, if none exists; returns how
+    many ids were created (0: a pool exists, unchanged)."""
+    client = await connect(target, timeout=5)
+    try:
+        keys = target.keys().all
+        return int(await client.eval(INIT_LUA, len(keys), *keys, min_id, max_id, new_epoch()))
+    finally:
+        await client.aclose()
 
 
 async def pool_snapshot(target: RedisTarget) -> dict[str, Any]:
@@ -17,6 +34,7 @@ async def pool_snapshot(target: RedisTarget) -> dict[str, Any]:
     client = await connect(target, timeout=5)
     keys = target.keys()
     try:
+        sent = time.time()
         async with client.pipeline(transaction=True) as pipe:
             pipe.time()
             pipe.zrange(keys.ids, 0, -1, withscores=True)
@@ -24,7 +42,10 @@ async def pool_snapshot(target: RedisTarget) -> dict[str, Any]:
             pipe.hgetall(keys.last)
             pipe.hgetall(keys.stats)
             pipe.hgetall(keys.pool)
-            (seconds, micros), members, owners, last, counters, pool = await pipe.execute()
+            pipe.info("server")
+            pipe.info("replication")
+            (seconds, micros), members, owners, last, counters, pool, server, replication = await pipe.execute()
+        received = time.time()
     finally:
         await client.aclose()
     now_ms = seconds * 1000 + micros // 1000
@@ -36,14 +57,18 @@ async def pool_snapshot(target: RedisTarget) -> dict[str, Any]:
         wid = _text(member)
         expiry = int(score)
         in_use = expiry >= now_ms
-        owner = owners_t.get(wid, "") if in_use else ""
+        owner = owners_t.get(wid, "")
+        # "expired": its lease ended by Redis's clock without a release: the next acquire that looks at it
+        # quarantines it, or leaves it to its holder if the holder's mark is still ahead.
+        state = ("held" if in_use else "expired") if owner else ("quarantined" if in_use else "free")
         ids.append(
             {
                 "worker_id": int(wid),
+                "state": state,
                 "owner": owner,
                 "in_use": in_use,
-                # Leased to nobody until the data-loss quarantine ends (see leasing.scripts).
-                "quarantined": in_use and not owner,
+                # Leased to nobody until the quarantine ends (see leasing.scripts).
+                "quarantined": state == "quarantined",
                 "time_left_ms": max(0, expiry - now_ms) if in_use else 0,
                 "last_ms": last_t.get(wid, 0),
             }
@@ -54,6 +79,11 @@ async def pool_snapshot(target: RedisTarget) -> dict[str, Any]:
         "ids": ids,
         "counters": {_text(k): int(v) for k, v in counters.items()},
         "pool": pool_t,
+        "redis_identity": f"{server.get('run_id', '-')}/{replication.get('master_replid', '-')}",
+        "replicas_connected": int(replication.get("connected_slaves", 0)),
+        # Redis TIME minus this host's clock (the middle of the round trip): a step of Redis's clock
+        # shows here, and in the daemons' STATS lease_redis_clock_offset_ms.
+        "redis_clock_offset_ms": now_ms - int((sent + received) * 500),
     }
 
 
@@ -68,6 +98,9 @@ def pool_stats(snapshot: dict[str, Any]) -> dict[str, Any]:
 
     def number(name: str) -> int | None:
         return int(pool[name]) if name in pool else None
+
+    doubt = int(pool.get("doubt_until_ms", 0))
+    stamped = pool.get("identity")
 
     return {
         "pool_exists": bool(pool),
@@ -95,4 +128,31 @@ def pool_stats(snapshot: dict[str, Any]) -> dict[str, Any]:
         "renew_ownership_error": counters.get("renew_ownership_error", 0),
         "renew_after_expiry": counters.get("renew_after_expiry", 0),
         "release": counters.get("release", 0),
+        # Restarts and failovers (issue 21): the Redis the pool was last written under, the one serving it
+        # now (a difference: a restart or failover no daemon has touched the pool since), how many were
+        # seen, and the doubt window after the last one.
+        "pool_identity": stamped,
+        "redis_identity": snapshot["redis_identity"],
+        "redis_changed_unseen": bool(stamped) and stamped != snapshot["redis_identity"],
+        "redis_changes": counters.get("redis_changes", 0),
+        "last_change_ms": number("changed_ms"),
+        "doubt_until_ms": doubt,
+        "doubt_left_ms": max(0, doubt - now_ms),
+        # Ids whose lease ended without a release, not yet looked at by an acquire.
+        "ids_expired_unreleased": sum(1 for row in ids if row["state"] == "expired"),
+        # Why ids were quarantined: unreleased (never released; its holder may be alive), damaged (record
+        # inconsistent), doubt (its holder could not vouch for it after a restart or failover), rewritten
+        # (not what its holder last wrote), vanished (owner entry gone), conflict (a local state file held).
+        **{
+            f"quarantined_{why}": counters.get(f"quarantined_{why}", 0)
+            for why in ("unreleased", "damaged", "doubt", "rewritten", "vanished", "conflict")
+        },
+        # Leases expired by Redis's clock left to their holder, whose mark was ahead of the acquirer's clock.
+        "skipped_live_leases": counters.get("skipped_live_leases", 0),
+        "redis_clock_offset_ms": snapshot["redis_clock_offset_ms"],
+        # The replica wait (issue 24): how many replicas each lease write must reach (the most this master
+        # has had since it started or was promoted, as the daemons recorded it; null before any did),
+        # and how many are connected now.
+        "replicas_expected": (number("replicas") if pool.get("replicas_under") == snapshot["redis_identity"] else None),
+        "replicas_connected": snapshot["replicas_connected"],
     }

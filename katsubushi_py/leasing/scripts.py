@@ -1,75 +1,175 @@
-"""The Lua scripts that are the only writers of a pool, and how they are run.
+"""The Lua scripts that are the only writers of a pool, and the record checks they make.
 
-Every script reads ``TIME`` itself, so every daemon is judged by one clock (Redis's). After a write,
-if the master has replicas, the keeper waits (``WAIT``, pipelined on the same connection) for a
-majority of them.
+Every script reads ``TIME`` itself, so every daemon is judged by one clock (Redis's); where a bound
+protects uniqueness, the caller's own clock (its generator's, anchored to its monotonic clock) is
+weighed too, so that a step of Redis's clock cannot lower it (see ``cover``). After a write, if the
+master has replicas, the keeper waits (``WAIT``, pipelined on the same connection) for a majority.
 
-**What Redis has forgotten is treated as unsafe.** A pool has an identity: the ``epoch`` in its
-``pool`` hash, a random value written when the pool is created. A daemon remembers the epoch it
-leased under and every renew compares it, so a pool that vanished (``FLUSHALL``, a restart without
-persistence) or was created anew since is *data loss*, not a free pool. Likewise a lease record whose
-owner entry vanished, whose handover mark is missing, or whose expiry is earlier than its mark could
-be (an edited or partly lost record) is not a free id. Recovering from loss costs time, never
-uniqueness:
+**What Redis has forgotten is treated as unsafe; recovering costs time, never uniqueness.**
 
-- **Pool-wide loss**: the pool is (re)created with a *barrier*: ``recovering_until_ms`` = now +
-  ``wait_ms`` (the lease TTL plus the allowed clock skew on both sides). Ids can be leased at once, but
-  no daemon serves before Redis's clock passes the barrier (acquire and renew return it). By then every
-  daemon that held an id before the loss has fenced itself (its lease ran out within one TTL of its
-  last renew, which came before the loss was seen), and its last ID is below the new holder's clock
-  (both clocks are within the skew of Redis's). As a second line, ``recovery_mark_ms`` (now + TTL +
-  skew: the latest millisecond any earlier holder can have issued) is handed over like a released
-  id's last millisecond, so a new holder whose clock is further behind than the skew allows refuses
-  to issue instead of issuing duplicates.
-- **One id**: the id is *quarantined*: leased to nobody until now + ``wait_ms``, its mark raised to
-  now + TTL + skew, and its owner entry removed (so a holder that is still alive sees at its next
-  renew that the id is no longer its own, and stops).
-- A pool created by a daemon (not by ``lease init``) cannot be told apart from a pool Redis lost
-  while no daemon was looking, so it is created with the same barrier. Only ``lease init``, an explicit
-  operator step, makes a pool that serves at once.
+- **A pool that vanished or was created anew** (``FLUSHALL``, a restart without persistence): the pool
+  has an ``epoch`` (random, written at creation) that every renew compares with the one its holder
+  leased under. The pool is (re)created with a *barrier*: no daemon serves before ``now + wait``
+  (``wait`` = lease ttl + 2 x the allowed clock skew), and the *recovery mark* (``cover``: the latest
+  millisecond an earlier holder can have issued) is handed over like a released id's last millisecond.
+  A pool created by a daemon (not ``lease init``) cannot be told from one Redis lost, so it gets the
+  same barrier.
+- **A pool that went back in time** (Redis restarted from an older snapshot, AOF ``everysec`` lost its
+  last second, a failover to a replica that missed writes): the pool records the Redis it was written
+  under, ``identity`` = ``run_id`` (``INFO server``: new on every start) and ``master_replid`` (``INFO
+  replication``: new on every promotion, and taken from its master by a replica). A script that finds
+  another identity opens a *doubt window* until ``now + wait``: any id leased in it is not served
+  before the window ends and starts after ``doubt_mark_ms``, and a holder that cannot vouch for its own
+  record (below) loses its id. A holder that can vouch keeps serving: only what is in doubt stops.
+- **A holder vouches for its record** at every renew: it sends the range of handover marks its record
+  may hold (from the one it last saw confirmed to the highest that a renew whose answer never came, or
+  that no replica acknowledged, may have written; every renew raises the mark) and whether its lease
+  never lapsed on its own clock. A record whose mark is outside that range was rewritten (lost writes,
+  an edit): the id is quarantined and a doubt window opened. A holder whose lease lapsed (Redis
+  unreachable, a pause), renewing in a doubt window, loses its id too (someone may have leased it in
+  the writes that were lost).
+  docs/leasing.md gives the argument why that is enough.
+- **Record checks at acquire** (what an id that looks free must be to be taken), in ``check_record``:
+  released cleanly (a release entry, no owner entry, a handover mark): free. An owner entry and no
+  release: *expired, never released*: its holder may be alive (paused, cut off, its record damaged,
+  or Redis's clock jumped forward): if the holder's own mark is still ahead of the caller's clock it is
+  left alone (a live holder keeps its id through a step of Redis's clock), else it is quarantined. No
+  mark, or an owner entry beside a release entry, or neither owner entry nor release entry: damaged,
+  quarantined. A fresh id of a pool made before this format (no release entry, mark 0, expiry before
+  the pool was created) is free.
+- **Quarantine**: the id is leased to nobody until ``until`` (``now + wait``, from when it was found),
+  its mark raised to ``cover``, its owner entry removed (a holder still alive finds at its next renew
+  that the id is not its own, and stops), and it counts as released once the quarantine ends.
 
 Keys (all with the namespace's hash tag, so a Redis Cluster keeps them in one slot), in the order
 every script takes them: ``ids`` (sorted set: worker id scored by lease expiry), ``owners`` (id ->
-holder's token), ``last_ms`` (id -> handover mark), ``released`` (ids released cleanly), ``stats``
-(counters), ``pool`` (epoch, created_ms, origin, min, max, recovering_until_ms, recovery_mark_ms,
-version).
+holder's token), ``last_ms`` (id -> handover mark), ``released`` (ids released cleanly or whose
+quarantine ends), ``stats`` (counters), ``pool`` (epoch, created_ms, origin, min, max,
+recovering_until_ms, recovery_mark_ms, version, identity, identity_before, changed_ms,
+doubt_until_ms, doubt_mark_ms, format, and replicas / replicas_under: the replica count lease writes
+wait for, and the master identity it was counted under).
 """
 
 from __future__ import annotations
 
 # Every script reads TIME itself: one clock (Redis's) for every daemon. Effects replication (the
-# default since Redis 5) keeps replicas consistent although TIME is not deterministic.
+# default since Redis 5) keeps replicas consistent although TIME and INFO are not deterministic.
 _NOW = """
 pcall(redis.replicate_commands)
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 """
 
-# create_pool: every id free since 1970 (a fresh id's score is the id itself, so a fresh pool hands
-# out ids in numeric order) with a mark of 0 (nothing issued), so that "no mark" can mean "lost".
-# barrier and mark are 0 for `lease init`. quarantine: the id is leased to nobody until now + wait.
 _HELPERS = """
-local function create_pool(lo, hi, epoch, origin, barrier, mark)
+-- Which Redis this is: run_id changes on every start, master_replid on every promotion (a replica
+-- shares its master's). ~20 us of INFO: paid by acquires, releases and renews that cannot vouch for
+-- their record, not by a renew that can (see RENEW_LUA).
+local function server_identity()
+  local s = redis.call('INFO', 'server')
+  local r = redis.call('INFO', 'replication')
+  return (string.match(s, 'run_id:(%x+)') or '-') .. '/' .. (string.match(r, 'master_replid:(%x+)') or '-')
+end
+
+-- The latest millisecond a holder that stops within a ttl from now can have issued: its clock is within
+-- the skew of Redis's and within twice the skew of the caller's. The later of the two bounds, so that
+-- neither clock having stepped back lowers it. caller is 0 when unknown.
+local function cover(ttl, skew, caller)
+  return math.max(now + ttl + skew, caller + ttl + 2 * skew)
+end
+
+local function create_pool(lo, hi, epoch, origin, barrier, mark, identity)
   redis.call('DEL', KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[6])
-  for id = lo, hi do
-    redis.call('ZADD', KEYS[1], id, id)
-    redis.call('HSET', KEYS[3], id, 0)
+  -- Fresh ids: free since 1970 (scored by their number, so a fresh pool hands them out in order),
+  -- nothing issued (mark 0), released (free and clean). In chunks: a few commands, not three per id.
+  local id = lo
+  while id <= hi do
+    local scores, marks, clean = {}, {}, {}
+    local last = math.min(hi, id + 499)
+    for n = id, last do
+      scores[#scores + 1] = n
+      scores[#scores + 1] = n
+      marks[#marks + 1] = n
+      marks[#marks + 1] = 0
+      clean[#clean + 1] = n
+      clean[#clean + 1] = 1
+    end
+    redis.call('ZADD', KEYS[1], unpack(scores))
+    redis.call('HSET', KEYS[3], unpack(marks))
+    redis.call('HSET', KEYS[4], unpack(clean))
+    id = last + 1
   end
   redis.call('HSET', KEYS[6], 'epoch', epoch, 'created_ms', now, 'origin', origin, 'min', lo, 'max', hi,
-    'recovering_until_ms', barrier, 'recovery_mark_ms', mark, 'version', 1)
+    'recovering_until_ms', barrier, 'recovery_mark_ms', mark, 'version', 1, 'identity', identity, 'format', 2)
 end
+
 local function raise_barrier(barrier, mark)
   local cur = redis.call('HMGET', KEYS[6], 'recovering_until_ms', 'recovery_mark_ms')
   if barrier > tonumber(cur[1] or '0') then redis.call('HSET', KEYS[6], 'recovering_until_ms', barrier) end
   if mark > tonumber(cur[2] or '0') then redis.call('HSET', KEYS[6], 'recovery_mark_ms', mark) end
 end
-local function quarantine(id, until_ms, mark)
-  redis.call('ZADD', KEYS[1], until_ms, id)
+
+-- Leased to nobody until until_ms (never shortened), mark raised to mark, owner entry removed (a live
+-- holder finds at its next renew that the id is not its own), free and clean once it ends.
+local function quarantine(id, until_ms, mark, reason)
+  local cur = tonumber(redis.call('ZSCORE', KEYS[1], id) or '0')
+  redis.call('ZADD', KEYS[1], math.max(until_ms, cur), id)
   redis.call('HDEL', KEYS[2], id)
   local old = tonumber(redis.call('HGET', KEYS[3], id) or '0')
   if mark > old then redis.call('HSET', KEYS[3], id, mark) end
   redis.call('HSET', KEYS[4], id, 1)
   redis.call('HINCRBY', KEYS[5], 'quarantined_ids', 1)
+  redis.call('HINCRBY', KEYS[5], 'quarantined_' .. reason, 1)
+end
+
+-- Writes may have been lost: until now + wait, ids leased are not served and start after mark.
+local function open_doubt(wait, mark)
+  local cur = redis.call('HMGET', KEYS[6], 'doubt_until_ms', 'doubt_mark_ms')
+  local until_ms = math.max(tonumber(cur[1] or '0'), now + wait)
+  redis.call('HSET', KEYS[6], 'doubt_until_ms', until_ms, 'doubt_mark_ms', math.max(tonumber(cur[2] or '0'), mark),
+    'changed_ms', now)
+  return until_ms
+end
+
+-- Compare the Redis the pool was last stamped under with this one: 'same', 'new' (no stamp yet: a pool
+-- made before this format) or 'changed' (a restart or a failover since: a doubt window opens).
+-- Only for a pool that exists. Returns the state and the identity before.
+local function check_identity(wait, mark)
+  local cur = server_identity()
+  local stored = redis.call('HGET', KEYS[6], 'identity')
+  if stored == cur then return 'same', cur end
+  redis.call('HSET', KEYS[6], 'identity', cur)
+  if not stored then return 'new', '' end
+  redis.call('HSET', KEYS[6], 'identity_before', stored)
+  redis.call('HINCRBY', KEYS[5], 'redis_changes', 1)
+  open_doubt(wait, mark)
+  return 'changed', stored
+end
+"""
+
+# What an id that looks free (expired by Redis's clock) is, at acquire: 'take' (with its mark), 'skip'
+# (leave it: 'live' a holder's mark is ahead of the caller's clock, 'later' clean but its mark is ahead
+# of the caller's clock (with the mark: taken if nothing better is found), 'range' outside the caller's
+# range) or 'quarantine' with the reason.
+_CHECK_RECORD = """
+local function check_record(member, score, lo, hi, caller, created_ms)
+  local id = tonumber(member)
+  if id < lo or id > hi then return 'skip', 'range' end
+  local owner = redis.call('HGET', KEYS[2], member)
+  local mark = redis.call('HGET', KEYS[3], member)
+  local released = redis.call('HEXISTS', KEYS[4], member) == 1
+  if not mark then return 'quarantine', 'damaged' end
+  mark = tonumber(mark)
+  if owner and released then return 'quarantine', 'damaged' end
+  if owner then
+    if caller < mark then return 'skip', 'live' end
+    return 'quarantine', 'unreleased'
+  end
+  if not released then
+    if mark == 0 and score < created_ms then return 'take', mark end
+    return 'quarantine', 'damaged'
+  end
+  if mark > caller then return 'skip', 'later', mark end
+  return 'take', mark
 end
 """
 
@@ -80,27 +180,35 @@ INIT_LUA = (
     + """
 if redis.call('EXISTS', KEYS[6]) == 1 then return 0 end
 local lo, hi = tonumber(ARGV[1]), tonumber(ARGV[2])
-create_pool(lo, hi, ARGV[3], 'init', 0, 0)
+create_pool(lo, hi, ARGV[3], 'init', 0, 0, server_identity())
 return hi - lo + 1
 """
 )
 
-# KEYS: the six. ARGV: token ttl_ms min max known_epoch wait_ms skew_ms new_epoch.
-# Returns {id, now, expiry, previous_expiry, handover_ms, released_cleanly, recovering_until_ms,
-#          created, epoch, quarantined_ids, version}
-#      or {-1, now, next_expiry, 0, 0, 0, recovering_until_ms, created, epoch, quarantined_ids, 0} (none free).
-# created: 0 no, 1 created (no pool existed), 2 re-created after loss (the caller knew an epoch).
-# Candidates are taken a few at a time, the one whose lease ended longest ago first (LIMIT: the cost
-# does not grow with the pool). A candidate whose record is damaged is quarantined and skipped.
+# KEYS: the six. ARGV: token ttl_ms min max known_epoch wait_ms skew_ms new_epoch caller_now_ms
+#       unreleased_wait_ms.
+# Returns {id, now, expiry, mark, handover_ms, barrier_ms, created, epoch, quarantined, version, skipped,
+#          change, identity_before, doubt_until_ms, changed_ms}
+#      or {-1, now, next_free_ms, 0, 0, barrier_ms, created, epoch, quarantined, 0, skipped, change,
+#          identity_before, doubt_until_ms, changed_ms} (none free).
+# mark: the record's handover mark as stored (the holder's expectation); handover_ms: start after it
+# (the mark, or the pool's recovery or doubt mark); barrier_ms: serve no sooner. created: 0 no, 1
+# created (no pool existed), 2 re-created after a loss the caller knew of. quarantined: "id:reason".
+# skipped: ids left to a holder whose mark is ahead of the caller's clock. change: 'same', 'new' or
+# 'changed' (this acquire saw a restart or failover first). Candidates are looked at a few at a
+# time, the one whose lease ended longest ago first (LIMIT: the cost does not grow with the pool); ids
+# never released are quarantined on the way, so a clean one is what is taken.
 ACQUIRE_LUA = (
     _NOW
     + _HELPERS
+    + _CHECK_RECORD
     + """
 local token, ttl, lo, hi = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4])
 local known, wait, skew = ARGV[5], tonumber(ARGV[6]), tonumber(ARGV[7])
-local created = 0
-local pool = redis.call('HMGET', KEYS[6], 'epoch', 'recovering_until_ms', 'recovery_mark_ms')
-if not pool[1] then
+local caller, unreleased_wait = tonumber(ARGV[9]), tonumber(ARGV[10])
+local mark_cover = cover(ttl, skew, caller)
+local created, change, before = 0, 'same', ''
+if redis.call('EXISTS', KEYS[6]) == 0 then
   created = 1
   local origin = 'implicit'
   if known ~= '' then
@@ -108,76 +216,98 @@ if not pool[1] then
     origin = 'lost'
     redis.call('HINCRBY', KEYS[5], 'data_loss_events', 1)
   end
-  create_pool(lo, hi, ARGV[8], origin, now + wait, now + ttl + skew)
-  pool = redis.call('HMGET', KEYS[6], 'epoch', 'recovering_until_ms', 'recovery_mark_ms')
+  create_pool(lo, hi, ARGV[8], origin, now + wait, mark_cover, server_identity())
+else
+  change, before = check_identity(wait, mark_cover)
 end
-local barrier, recovery_mark = tonumber(pool[2]), tonumber(pool[3])
-local quarantined = {}
+local pool = redis.call('HMGET', KEYS[6], 'epoch', 'recovering_until_ms', 'recovery_mark_ms', 'doubt_until_ms',
+  'doubt_mark_ms', 'created_ms', 'changed_ms')
+local barrier, floor = tonumber(pool[2]), tonumber(pool[3])
+local doubt = tonumber(pool[4] or '0')
+if doubt > now then
+  barrier = math.max(barrier, doubt)
+  floor = math.max(floor, tonumber(pool[5] or '0'))
+end
+local created_ms, changed_ms = tonumber(pool[6] or '0'), tonumber(pool[7] or '0')
+local quarantined, skipped = {}, {}
+local later, later_mark = nil, nil
+local function take(member, mark)
+  local expiry = now + ttl
+  redis.call('ZADD', KEYS[1], expiry, member)
+  redis.call('HSET', KEYS[2], member, token)
+  redis.call('HDEL', KEYS[4], member)
+  redis.call('HINCRBY', KEYS[5], 'acquire_success', 1)
+  local version = redis.call('HINCRBY', KEYS[6], 'version', 1)
+  return {tonumber(member), now, expiry, mark, math.max(mark, floor), barrier, created, pool[1], quarantined, version,
+    skipped, change, before, doubt, changed_ms}
+end
 local offset = 0
 while true do
   local batch = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', '(' .. now, 'WITHSCORES', 'LIMIT', offset, 16)
   if #batch == 0 then break end
   for i = 1, #batch, 2 do
     local member, score = batch[i], tonumber(batch[i + 1])
-    local id = tonumber(member)
-    if id < lo or id > hi then
+    local verdict, what, mark = check_record(member, score, lo, hi, caller, created_ms)
+    if verdict == 'take' then return take(member, what) end
+    if verdict == 'skip' then
       offset = offset + 1
-    else
-      local mark = redis.call('HGET', KEYS[3], member)
-      if (not mark) or tonumber(mark) > score + skew + 1000 then
-        -- No mark, or a mark later than the expiry allows (holders' clocks are within the skew of
-        -- Redis's): this record was edited or partly lost. Someone may still issue under it.
-        quarantine(member, now + wait, now + ttl + skew)
-        redis.call('HINCRBY', KEYS[5], 'data_loss_events', 1)
-        quarantined[#quarantined + 1] = id
-      else
-        local expiry = now + ttl
-        redis.call('ZADD', KEYS[1], expiry, member)
-        redis.call('HSET', KEYS[2], member, token)
-        local clean = redis.call('HDEL', KEYS[4], member)
-        redis.call('HINCRBY', KEYS[5], 'acquire_success', 1)
-        local version = redis.call('HINCRBY', KEYS[6], 'version', 1)
-        local handover = math.max(tonumber(mark), recovery_mark)
-        return {id, now, expiry, score, handover, clean, barrier, created, pool[1], quarantined, version}
+      if what == 'live' then
+        skipped[#skipped + 1] = tonumber(member)
+        redis.call('HINCRBY', KEYS[5], 'skipped_live_leases', 1)
+      elseif what == 'later' and (later_mark == nil or mark < later_mark) then
+        later, later_mark = member, mark
       end
+    else
+      local until_ms = now + wait
+      if what == 'unreleased' then until_ms = now + unreleased_wait end
+      quarantine(member, until_ms, mark_cover, what)
+      if what == 'damaged' then redis.call('HINCRBY', KEYS[5], 'data_loss_events', 1) end
+      quarantined[#quarantined + 1] = member .. ':' .. what
     end
   end
 end
+if later then return take(later, later_mark) end
 redis.call('HINCRBY', KEYS[5], 'acquire_no_free_id', 1)
-local first = redis.call('ZRANGE', KEYS[1], 0, 0, 'WITHSCORES')
-local next_expiry = 0
-if #first == 2 then next_expiry = tonumber(first[2]) end
-return {-1, now, next_expiry, 0, 0, 0, barrier, created, pool[1], quarantined, 0}
+local first = redis.call('ZRANGEBYSCORE', KEYS[1], now, '+inf', 'WITHSCORES', 'LIMIT', 0, 1)
+local next_free = 0
+if #first == 2 then next_free = tonumber(first[2]) end
+return {-1, now, next_free, 0, 0, barrier, created, pool[1], quarantined, 0, skipped, change, before, doubt, changed_ms}
 """
 )
 
-# KEYS: the six. ARGV: token id ttl_ms high_water_ms epoch wait_ms skew_ms version_seen min max new_epoch.
-# Returns {1, now, expiry, recovering_until_ms, version, free, total}: renewed (not to be served before the
-#          barrier); free and total count the pool's ids, for occupancy warnings
-#      or {-1, now}: the id is someone else's now (its lease had expired by Redis's clock)
-#      or {-3, now, what, barrier}: the pool was lost ('missing', 'recreated', 'rolled back')
-#      or {-4, now, what, barrier}: this id's record was lost; the id is quarantined until barrier
-# A pool re-created by a daemon already has a barrier that started after the loss (and counted it);
-# one made by `lease init` while daemons still held ids of the lost pool gets one now.
+# KEYS: the six. ARGV: token id ttl_ms high_water_ms epoch wait_ms skew_ms version_seen min max new_epoch
+#       marks good caller_now_ms.
+# marks: the handover marks the holder's record may hold, comma-separated: the one it last saw confirmed,
+# and the highest that a renew whose answer never came (or that no replica acknowledged) may have
+# written; any mark between them is one of its own ('': it lost track). good: 1 while its
+# lease never lapsed on its own clock (every renew sent before its deadline).
+# Returns {1, now, expiry, recovering_until_ms, version, free, total, mark, doubt_until_ms, changed_ms, change}:
+#          renewed; free and total count the pool's ids (free: held by nobody), for occupancy warnings
+#      or {-1, now, doubt_until_ms}: the id is someone else's now
+#      or {-3, now, what, barrier}: the pool was lost ('missing', 'recreated')
+#      or {-4, now, what, until, change, found_expiry, found_mark, doubt_until_ms, changed_ms}: this id's
+#          record was lost, rewritten or is in doubt ('owner entry vanished', 'record changed', 'rolled
+#          back', 'in doubt'); quarantined until ``until``
+# A holder that vouches for its record (its token, a mark it wrote, a lease that never lapsed) pays no
+# INFO: nobody else can have leased its id, whatever Redis forgot of other ids (see docs/leasing.md).
 RENEW_LUA = (
     _NOW
     + _HELPERS
     + """
 local token, id, ttl, hw = ARGV[1], ARGV[2], tonumber(ARGV[3]), tonumber(ARGV[4])
 local epoch, wait, skew, seen = ARGV[5], tonumber(ARGV[6]), tonumber(ARGV[7]), tonumber(ARGV[8])
+local marks, good, caller = ARGV[12], ARGV[13] == '1', tonumber(ARGV[14])
 redis.call('HINCRBY', KEYS[5], 'renew_count', 1)
-local pool = redis.call('HMGET', KEYS[6], 'epoch', 'recovering_until_ms', 'version', 'origin')
+local pool = redis.call('HMGET', KEYS[6], 'epoch', 'recovering_until_ms', 'version', 'origin', 'doubt_until_ms',
+  'changed_ms')
+local mark_cover = cover(ttl, skew, caller)
 local lost = nil
 if not pool[1] then
-  create_pool(tonumber(ARGV[9]), tonumber(ARGV[10]), ARGV[11], 'lost', now + wait, now + ttl + skew)
+  create_pool(tonumber(ARGV[9]), tonumber(ARGV[10]), ARGV[11], 'lost', now + wait, mark_cover, server_identity())
   lost = 'missing'
 elseif pool[1] ~= epoch then
   lost = 'recreated'
-  if pool[4] == 'init' then raise_barrier(now + wait, now + ttl + skew) end
-elseif tonumber(pool[3]) < seen then
-  lost = 'rolled back'
-  redis.call('HSET', KEYS[6], 'version', seen + 1)
-  raise_barrier(now + wait, now + ttl + skew)
+  if pool[4] == 'init' then raise_barrier(now + wait, mark_cover) end
 end
 if lost then
   if lost ~= 'recreated' or pool[4] ~= 'lost' then
@@ -186,58 +316,144 @@ if lost then
   end
   return {-3, now, lost, tonumber(redis.call('HGET', KEYS[6], 'recovering_until_ms'))}
 end
+local doubt, changed_ms = tonumber(pool[5] or '0'), tonumber(pool[6] or '0')
 local owner = redis.call('HGET', KEYS[2], id)
 if not owner then
-  quarantine(id, now + wait, now + ttl + skew)
+  quarantine(id, now + wait, mark_cover, 'vanished')
   redis.call('HINCRBY', KEYS[5], 'data_loss_events', 1)
-  return {-4, now, 'owner entry vanished', now + wait}
+  return {-4, now, 'owner entry vanished', now + wait, 'same', -1, -1, doubt, changed_ms}
 end
 if owner ~= token then
   redis.call('HINCRBY', KEYS[5], 'renew_ownership_error', 1)
-  return {-1, now}
+  return {-1, now, doubt}
 end
-local score = redis.call('ZSCORE', KEYS[1], id)
-if score and tonumber(score) < now then
-  redis.call('HINCRBY', KEYS[5], 'renew_after_expiry', 1)
+local expiry_found = tonumber(redis.call('ZSCORE', KEYS[1], id) or '-1')
+local mark = tonumber(redis.call('HGET', KEYS[3], id) or '-1')
+-- The holder wrote every mark from the one it last saw confirmed up to the highest its unconfirmed
+-- renews may have left (each renew raises the mark): a record holding one of them is its own.
+local known, lo, hi = marks ~= '', nil, nil
+for m in string.gmatch(marks, '[^,]+') do
+  m = tonumber(m)
+  if lo == nil or m < lo then lo = m end
+  if hi == nil or m > hi then hi = m end
 end
+local written = known and mark >= lo and mark <= hi
+local rolled = tonumber(pool[3]) < seen
+if rolled or (known and not written) then
+  -- Not what its holder wrote: writes were lost (a restart, a failover, a restore) or the record was
+  -- edited. What else was lost is unknown: doubt about every id nobody vouches for.
+  local change = check_identity(wait, mark_cover)
+  local until_ms = open_doubt(wait, mark_cover)
+  if rolled then redis.call('HSET', KEYS[6], 'version', seen + 1) end
+  quarantine(id, until_ms, mark_cover, 'rewritten')
+  redis.call('HINCRBY', KEYS[5], 'data_loss_events', 1)
+  local what = 'record changed'
+  if rolled then what = 'rolled back' end
+  return {-4, now, what, until_ms, change, expiry_found, mark, until_ms, now}
+end
+local change = 'same'
+if not good or not known then
+  -- The holder cannot vouch (its lease lapsed, or it lost track of what it wrote): in a doubt window,
+  -- its id may have been leased by someone in the writes that were lost.
+  change = check_identity(wait, mark_cover)
+  if change == 'changed' then
+    local cur = redis.call('HMGET', KEYS[6], 'doubt_until_ms', 'changed_ms')
+    doubt, changed_ms = tonumber(cur[1]), tonumber(cur[2])
+  end
+  if now < doubt then
+    local until_ms = math.max(doubt, now + wait)
+    quarantine(id, until_ms, mark_cover, 'doubt')
+    redis.call('HINCRBY', KEYS[5], 'data_loss_events', 1)
+    return {-4, now, 'in doubt', until_ms, change, expiry_found, mark, doubt, changed_ms}
+  end
+end
+if expiry_found < now then redis.call('HINCRBY', KEYS[5], 'renew_after_expiry', 1) end
 local expiry = now + ttl
 redis.call('ZADD', KEYS[1], expiry, id)
-local last = tonumber(redis.call('HGET', KEYS[3], id) or '0')
-if hw > last then redis.call('HSET', KEYS[3], id, hw) end
+if hw > mark then
+  redis.call('HSET', KEYS[3], id, hw)
+  mark = hw
+end
 redis.call('HINCRBY', KEYS[5], 'renew_success', 1)
 local version = redis.call('HINCRBY', KEYS[6], 'version', 1)
-local free = redis.call('ZCOUNT', KEYS[1], '-inf', '(' .. now)
-return {1, now, expiry, tonumber(pool[2]), version, free, redis.call('ZCARD', KEYS[1])}
+local total = redis.call('ZCARD', KEYS[1])
+local free = total - redis.call('HLEN', KEYS[2])
+return {1, now, expiry, tonumber(pool[2]), version, free, total, mark, doubt, changed_ms, change}
 """
 )
 
-# KEYS: the six. ARGV: token id last_ms epoch mode wait_ms mark_offset_ms channel.
+# KEYS: the six. ARGV: token id last_ms epoch mode wait_ms skew_ms ttl_ms caller_now_ms channel.
 # mode 'clean': we stopped issuing at last_ms, the exact latest millisecond we issued or inherited (0:
 # none), which replaces the mark reserved ahead at the last renew; the next holder may start at once
 # after it. last_ms -1: we never served under this lease; keep the stored mark.
 # mode 'quarantine': we must not use this id and someone else may be issuing under it (its state file
-# is locked by another daemon of our host): lease it to nobody for wait_ms (ARGV[6]), mark ARGV[7].
-# Returns 1, or 0 if the id is not ours (or the pool is not the one we leased it from).
+# is locked by another daemon of our host): lease it to nobody for wait_ms.
+# Returns {1, change} or {0, change} if the id is not ours (or the pool is not the one we leased it from).
 RELEASE_LUA = (
     _NOW
     + _HELPERS
     + """
-if redis.call('HGET', KEYS[6], 'epoch') ~= ARGV[4] then return 0 end
-if redis.call('HGET', KEYS[2], ARGV[2]) ~= ARGV[1] then return 0 end
+local id, wait, skew, ttl, caller = ARGV[2], tonumber(ARGV[6]), tonumber(ARGV[7]), tonumber(ARGV[8]), tonumber(ARGV[9])
+if redis.call('HGET', KEYS[6], 'epoch') ~= ARGV[4] then return {0, 'same'} end
+local mark_cover = cover(ttl, skew, caller)
+local change = check_identity(wait, mark_cover)
+if redis.call('HGET', KEYS[2], id) ~= ARGV[1] then return {0, change} end
 if ARGV[5] == 'quarantine' then
-  quarantine(ARGV[2], now + tonumber(ARGV[6]), now + tonumber(ARGV[7]))
-  return 1
+  quarantine(id, now + wait, mark_cover, 'conflict')
+  return {1, change}
 end
-redis.call('HDEL', KEYS[2], ARGV[2])
-redis.call('ZADD', KEYS[1], now, ARGV[2])
--- A clean release knows exactly what it issued: that replaces the mark reserved ahead at the last renew
--- (left there, a mark later than the release would make the record look damaged).
-if tonumber(ARGV[3]) >= 0 then redis.call('HSET', KEYS[3], ARGV[2], ARGV[3]) end
-redis.call('HSET', KEYS[4], ARGV[2], 1)
+redis.call('HDEL', KEYS[2], id)
+redis.call('ZADD', KEYS[1], now, id)
+-- A clean release knows exactly what it issued: that replaces the mark reserved ahead at the last renew.
+if tonumber(ARGV[3]) >= 0 then redis.call('HSET', KEYS[3], id, ARGV[3]) end
+redis.call('HSET', KEYS[4], id, 1)
 redis.call('HINCRBY', KEYS[5], 'release', 1)
 redis.call('HINCRBY', KEYS[6], 'version', 1)
 -- Daemons waiting for a free id listen here: they take it within a round trip instead of a poll interval.
-redis.call('PUBLISH', ARGV[8], ARGV[2])
-return 1
+redis.call('PUBLISH', ARGV[10], id)
+return {1, change}
+"""
+)
+
+# KEYS: the six. ARGV: wait_ms skew_ms ttl_ms caller_now_ms. Run by a holder after its connection
+# changed (a reconnect: perhaps a restarted or promoted Redis), so that a restart is seen, and its
+# doubt window opened, within a round trip of the first holder reconnecting, not at the next acquire.
+# Returns {change, now, doubt_until_ms, changed_ms} ('none' when no pool exists).
+IDENTITY_LUA = (
+    _NOW
+    + _HELPERS
+    + """
+if redis.call('EXISTS', KEYS[6]) == 0 then return {'none', now, 0, 0} end
+local wait, skew, ttl, caller = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4])
+local change = check_identity(wait, cover(ttl, skew, caller))
+local cur = redis.call('HMGET', KEYS[6], 'doubt_until_ms', 'changed_ms')
+return {change, now, tonumber(cur[1] or '0'), tonumber(cur[2] or '0')}
+"""
+)
+
+# KEYS: the six. No ARGV. Returns how many replicas every lease write must reach (see link.py): the most
+# replicas this master has had connected since it last started or was promoted. Recorded in the pool
+# under the master's identity (run_id/master_replid), so a daemon that connects to a master later, or
+# again, knows it too: a master cut off from its replicas (connected_slaves 0) is still waited on for
+# them. A new identity (a restart, a promotion) starts from its own count.
+REPLICAS_LUA = (
+    _NOW
+    + _HELPERS
+    + """
+local r = redis.call('INFO', 'replication')
+local n = tonumber(string.match(r, 'connected_slaves:(%d+)') or '0')
+if redis.call('EXISTS', KEYS[6]) == 0 then return n end
+local id = server_identity()
+local cur = redis.call('HMGET', KEYS[6], 'replicas_under', 'replicas')
+if cur[1] ~= id then
+  redis.call('HSET', KEYS[6], 'replicas_under', id, 'replicas', n)
+  return n
+end
+local most = tonumber(cur[2] or '0')
+if n > most then
+  redis.call('HSET', KEYS[6], 'replicas', n)
+  return n
+end
+return most
 """
 )

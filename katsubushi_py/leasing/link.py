@@ -1,0 +1,225 @@
+"""The keeper's connection to Redis: running a script (and ``WAIT`` for replicas) in one round trip,
+noticing when the connection under it changed, following the master (:mod:`.nodes`), waiting for a
+release to be announced, and the clock check at start.
+
+**Replicas.** A lease write counts (an acquire is served, a renew moves the deadline) only once every
+replica the master has had since it last started or was promoted has acknowledged it (``WAIT``,
+pipelined on the same connection as the script). The number is the most replicas that master has had
+connected, recorded in the pool under the master's identity (``REPLICAS_LUA``): a replica that
+disconnects, or a link that is cut, lowers nothing, so a master cut off from its replicas (the old
+master on the wrong side of a partition, while Sentinel promotes a replica) cannot confirm a single
+lease: its daemons stop at their deadline instead of issuing beside the new master's. A new master (a
+promotion, a restart) starts from its own count. The count is asked (pipelined too) on every new
+connection, every minute, and after a ``WAIT`` that fell short. ``replica_acks=N`` in the URL waits for
+exactly N instead (0: none), as Redis's own ``min-replicas-to-write`` does.
+
+What that buys: every write the keeper counted is on every replica that master had, so whichever of
+them is promoted holds every confirmed lease and renew; a write that was not acknowledged was never
+served under, and the holder remembers the marks it may have left (see ``holder``).
+
+**A new connection may be a new Redis.** ``CLIENT ID`` rides in the same pipeline: a different id
+means the client reconnected, perhaps to a restarted or promoted Redis, and the keeper then asks the
+pool to compare the Redis it was written under with this one (see ``IDENTITY_LUA``), so that a restart
+is seen within a round trip of the first holder reconnecting.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import random
+import time
+from typing import TYPE_CHECKING, Any
+
+from .nodes import NodeFinder
+from .scripts import REPLICAS_LUA
+from .target import LeaseError, RedisTarget, released_channel
+from .timings import LeaseTimings, describe
+
+if TYPE_CHECKING:
+    from .recovery import LeaseStats
+
+log = logging.getLogger("katsubushi_py")
+
+# How often the replica count is asked for (and after any WAIT that fell short).
+_REPLICA_CHECK_INTERVAL = 60.0
+
+
+class NotSent(ConnectionError):
+    """No connection to the node could be made (or the node could not be found): nothing was sent, so
+    the write certainly did not happen."""
+
+
+# Round trips of the clock check: the one with the shortest round trip tells the offset best.
+_CLOCK_SAMPLES = 3
+
+
+class RedisLink:
+    def __init__(self, target: RedisTarget, timings: LeaseTimings, stats: LeaseStats) -> None:
+        self.target = target
+        self.keys = target.keys()
+        self.channel = released_channel(target)
+        self.timings = timings
+        self.stats = stats  # counts round trips
+        self.client: Any = None
+        self.connection_id: int | None = None  # CLIENT ID of the connection the last script ran on
+        self.finder = NodeFinder(target, timeout=max(0.5, timings.renew / 2))
+        self.address = ""  # the node the client talks to (host:port), "" before the first connection
+        self._fresh = False  # a client not connected yet
+        self._replicas: int | None = None
+        self._replicas_checked = 0.0
+        self._pubsub: Any = None
+
+    async def get(self) -> Any:
+        if self.client is None:
+            self.client, address = await self.finder.connect()
+            self._fresh = True
+            self._replicas = None  # a new connection may be a new master: ask again
+            if address != self.address:
+                if self.address:
+                    self.stats.master_changes += 1
+                    where = self.target.display
+                    log.warning("Redis master for %s changed: %s -> %s; following it", where, self.address, address)
+                self.address = address
+                self.stats.redis_address = address
+        return self.client
+
+    async def connected(self) -> Any:
+        """The client, connected to the node: raises :class:`NotSent` when a new client cannot find the
+        node or connect to it, so that a caller knows nothing was sent. (Only for a new client: a failed
+        round trip drops the client, so every retry after a failure comes here; on a client in use the
+        check would cost a tenth of a renew's client time.)"""
+        try:
+            client = await self.get()
+            if self._fresh:
+                pool = client.connection_pool
+                connection = await pool.get_connection()
+                await pool.release(connection)  # the pipeline takes this very connection next
+                self._fresh = False
+        except Exception as exc:
+            raise NotSent(describe(exc)) from exc
+        return client
+
+    async def close(self) -> None:
+        """Drop the connection and what the finder keeps (Sentinel and cluster clients)."""
+        await self.drop()
+        with contextlib.suppress(Exception):
+            await self.finder.aclose()
+
+    async def drop(self) -> None:
+        client, self.client = self.client, None
+        await self.unsubscribe()
+        if client is not None:
+            with contextlib.suppress(Exception):
+                await client.aclose()
+
+    async def run(self, script: str, args: list[Any], durable: bool = True) -> tuple[list[Any], str, bool]:
+        """Run a script and, with ``durable``, WAIT for the replicas it must reach (see the module's
+        docstring): one round trip (the script and the WAIT pipelined on one connection), two when the
+        replica count is asked for. Raises :class:`NotSent` when no connection could be made.
+
+        Returns (result, problem, new_connection): ``problem`` is "" or why the write cannot be counted
+        as durable; ``new_connection`` whether it ran on another connection than the last script."""
+        client = await self.connected()
+        keys = self.keys.all
+        wait_ms = int(self.timings.renew * 250)
+        now = time.monotonic()
+        fixed = self.target.replica_acks
+        refresh = (
+            durable
+            and fixed is None
+            and (self._replicas is None or now - self._replicas_checked >= _REPLICA_CHECK_INTERVAL)
+        )
+        needed = fixed if fixed is not None else (self._replicas or 0)
+        if fixed is not None:
+            self.stats.replicas_expected = fixed
+        pipe = client.pipeline(transaction=False)
+        pipe.eval(script, len(keys), *keys, *args)
+        pipe.execute_command("CLIENT", "ID")
+        if refresh:
+            pipe.eval(REPLICAS_LUA, len(keys), *keys)
+        elif durable and needed:
+            pipe.execute_command("WAIT", needed, wait_ms)
+        replies = await pipe.execute()
+        self.stats.round_trips += 1
+        result = replies[0]
+        connection = int(replies[1])
+        new_connection, self.connection_id = connection != self.connection_id, connection
+        if not durable:
+            return result, "", new_connection
+        if refresh:
+            needed = self._replicas = int(replies[2])
+            self._replicas_checked = now
+            self.stats.replicas_expected = needed
+            if not needed:
+                return result, "", new_connection
+            acked = int(await client.execute_command("WAIT", needed, wait_ms))
+            self.stats.round_trips += 1
+        elif needed:
+            acked = int(replies[2])
+        else:
+            return result, "", new_connection
+        if acked < needed:
+            self.stats.replica_ack_failures += 1
+            self._replicas = None  # ask again: the count never drops for that, but it may have grown
+            return result, f"only {acked} of {needed} replicas acknowledged it within {wait_ms} ms", new_connection
+        return result, "", new_connection
+
+    # -- the clock at start ----------------------------------------------------------------------
+    async def clock_offset(self, skew_max: float) -> tuple[float, float]:
+        """Local wall clock minus Redis TIME, in seconds, and the round trip it was judged by; refuse
+        to go on above ``skew_max``.
+
+        The offset is known only to within half the round trip (Redis read its clock somewhere in it),
+        so it is judged by the sample with the shortest round trip, and what counts is the least the
+        offset can be: a busy event loop (a long round trip) alone never looks like a skew."""
+        client = await self.get()
+        best: tuple[float, float] | None = None  # (round trip, offset)
+        for _ in range(_CLOCK_SAMPLES):
+            sent_wall, sent = time.time(), time.perf_counter()
+            seconds, micros = await client.time()
+            rtt = time.perf_counter() - sent
+            offset = sent_wall + rtt / 2 - (seconds + micros / 1e6)
+            if best is None or rtt < best[0]:
+                best = (rtt, offset)
+        assert best is not None
+        rtt, skew = best
+        if abs(skew) - rtt / 2 > skew_max:
+            raise LeaseError(
+                f"local clock differs from Redis TIME by {skew:+.3f}s (more than --clock-skew-max"
+                f" {skew_max:g}s): fix NTP on this host or on Redis before leasing a worker id"
+            )
+        return skew, rtt
+
+    # -- waiting for a release -------------------------------------------------------------------
+    async def unsubscribe(self) -> None:
+        pubsub, self._pubsub = self._pubsub, None
+        if pubsub is not None:
+            with contextlib.suppress(Exception):
+                await pubsub.aclose()
+
+    async def wait_for_release(self, seconds: float) -> None:
+        """Sleep up to ``seconds``, waking early when a release is announced. The first call only
+        subscribes (the caller then tries again at once, so a release between its last try and the
+        subscription is not missed)."""
+        if self._pubsub is None:
+            try:
+                client = await self.get()
+                pubsub = client.pubsub()
+                await pubsub.subscribe(self.channel)
+                self._pubsub = pubsub
+                return
+            except Exception:
+                await self.unsubscribe()  # no subscription: poll instead
+                await asyncio.sleep(seconds)
+                return
+        end = time.monotonic() + seconds
+        try:
+            while (left := end - time.monotonic()) > 0:
+                message = await self._pubsub.get_message(ignore_subscribe_messages=True, timeout=left)
+                if message is not None:
+                    await asyncio.sleep(random.uniform(0, 0.05))  # not all waiters in the same millisecond
+                    return
+        except Exception:
+            await self.unsubscribe()

@@ -1,0 +1,164 @@
+"""What a lease write waits for (issue 24), and the URLs that name a highly available Redis.
+
+A write counts only once every replica the master has had since it last started or was promoted has
+acknowledged it (``REPLICAS_LUA`` records the count in the pool under the master's identity): a
+replica that vanishes lowers nothing. Shown here rule by rule against real redis-servers, then as the
+fault it is for: two masters at once (the old one cut off from its replica, which was promoted), with
+daemons on each side and every ID recorded.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from conftest import DaemonFactory, free_port
+from id_recorder import Recorder
+from lease_helpers import init_pool, run_tool, stats, wait_serving, wait_until
+from redis_servers import RedisServer, start_redis
+
+from katsubushi_py.leasing import LeaseError, parse_redis_url
+from katsubushi_py.leasing.scripts import REPLICAS_LUA
+
+KEYS = [f"{{t}}:{name}" for name in ("ids", "owners", "last_ms", "released", "stats", "pool")]
+FAST = ("--repl-diskless-sync-delay", "0")
+
+
+# -- URLs -------------------------------------------------------------------------------------------
+def test_sentinel_urls() -> None:
+    target = parse_redis_url("redis+sentinel://u:secret@10.0.0.1:26379,10.0.0.2,[::1]:26380/mymaster?ns=app&db=2")
+    assert target.sentinel and not target.cluster and target.service == "mymaster" and target.namespace == "app"
+    assert target.seeds == (("10.0.0.1", 26379), ("10.0.0.2", 26379), ("::1", 26380))
+    assert target.node_url("10.0.0.9", 6380) == "redis://u:secret@10.0.0.9:6380/2"
+    assert "secret" not in target.display
+    assert target.display == "redis+sentinel://10.0.0.1:26379,10.0.0.2:26379,[::1]:26380/mymaster?db=2 (ns=app)"
+    assert target.replica_acks is None
+    # TLS to the master (either spelling), TLS and credentials for the sentinels, other redis-py options.
+    tls = parse_redis_url(
+        "rediss+sentinel://h:1/m?ns=a&sentinel_password=pw&sentinel_ssl=true&sentinel_ssl_ca_certs=/ca.pem"
+        "&ssl_ca_certs=/ca.pem&socket_keepalive=true&replica_acks=2"
+    )
+    assert tls.node_url("m", 2) == "rediss://m:2/0?ssl_ca_certs=%2Fca.pem&socket_keepalive=true"
+    assert dict(tls.sentinel_options) == {"password": "pw", "ssl": True, "ssl_ca_certs": "/ca.pem"}
+    assert tls.replica_acks == 2
+    assert parse_redis_url("redis+sentinel://h/m/3?ssl=yes").node_url("m", 2) == "rediss://m:2/3"
+
+
+def test_cluster_urls_take_several_seed_nodes() -> None:
+    target = parse_redis_url("rediscluster://:pw@10.0.0.1:7000,10.0.0.2:7001?ns=c&replica_acks=0")
+    assert target.cluster and target.seeds == (("10.0.0.1", 7000), ("10.0.0.2", 7001)) and target.replica_acks == 0
+    assert target.node_url("10.0.0.3", 7002) == "redis://:pw@10.0.0.3:7002"
+    assert target.display == "rediscluster://10.0.0.1:7000,10.0.0.2:7001 (ns=c)"
+    assert parse_redis_url("rediscluster://h:7000?ns=c").seeds == (("h", 7000),)
+
+
+@pytest.mark.parametrize(
+    ("url", "message"),
+    [
+        ("redis+sentinel://h:26379?ns=a", "names no Sentinel service"),
+        ("redis+sentinel://h:26379/m?sentinel_pasword=x", "unknown Sentinel option 'sentinel_pasword'"),
+        ("redis+sentinel://h:26379/m?sentinel_ssl=maybe", "invalid sentinel_ssl='maybe'"),
+        ("redis+sentinel://h:26379/m?db=x", "invalid database"),
+        ("redis+sentinel://h:port/m", "invalid port"),
+        ("redis://h1:6379,h2:6379/0", "names several hosts"),
+        ("redis://h/0?replica_acks=most", "invalid replica_acks"),
+    ],
+)
+def test_bad_ha_urls(url: str, message: str) -> None:
+    with pytest.raises(LeaseError, match=message):
+        parse_redis_url(url)
+
+
+def test_a_bad_sentinel_url_is_one_line_and_exit_2() -> None:
+    result = run_tool("--redis", "redis+sentinel://127.0.0.1:1?ns=a", "--port", str(free_port()))
+    assert result.returncode == 2 and len(result.stderr.strip().splitlines()) == 1, result.stderr
+    assert "names no Sentinel service" in result.stderr
+
+
+# -- the replica count a write waits for -----------------------------------------------------------
+@pytest.fixture
+def pair(tmp_path: Path) -> Iterator[tuple[RedisServer, RedisServer]]:
+    """A master and its replica, streaming."""
+    master = start_redis(tmp_path / "master", *FAST)
+    replica = start_redis(tmp_path / "replica", *FAST, "--replicaof", "127.0.0.1", str(master.port))
+    try:
+        wait_until(lambda: master.client().execute_command("WAIT", 1, 100) == 1, timeout=15, step=0)
+        yield master, replica
+    finally:
+        replica.stop()
+        master.stop()
+
+
+def expected(server: RedisServer) -> int:
+    return int(server.client().eval(REPLICAS_LUA, len(KEYS), *KEYS))
+
+
+def test_a_replica_that_vanishes_is_still_waited_for(pair: tuple[RedisServer, RedisServer]) -> None:
+    master, replica = pair
+    assert expected(master) == 1  # no pool yet: what is connected, recorded nowhere
+    init_pool(master.url, "t", 1, 4)
+    assert expected(master) == 1 and master.client().hget(KEYS[5], "replicas") == b"1"
+    replica.client().config_set("masterauth", "cut-off")  # it cannot come back
+    master.client().client_kill_filter(_type="replica")
+    wait_until(lambda: master.client().info("replication")["connected_slaves"] == 0, timeout=5)
+    assert expected(master) == 1  # never fewer because one vanished
+    summary = json.loads(run_tool("lease", "stats", "--redis", f"{master.url}?ns=t").stdout)
+    assert summary["replicas_expected"] == 1 and summary["replicas_connected"] == 0
+
+
+def test_a_promoted_replica_counts_its_own(pair: tuple[RedisServer, RedisServer]) -> None:
+    master, replica = pair
+    init_pool(master.url, "t", 1, 4)
+    assert expected(master) == 1
+    wait_until(lambda: replica.client().hget(KEYS[5], "replicas") == b"1", timeout=5)
+    replica.client().execute_command("REPLICAOF", "NO", "ONE")  # a failover: a new master_replid
+    assert expected(replica) == 0
+
+
+# -- two masters at once ---------------------------------------------------------------------------
+@pytest.mark.once
+def test_two_masters_at_once(daemons: DaemonFactory, pair: tuple[RedisServer, RedisServer]) -> None:
+    """The old master is cut off from its replica, which is promoted (as Sentinel does on the other
+    side of a partition): one daemon keeps talking to the old master, a second starts there, a third
+    starts on the new one. The old master still accepts writes, counts no replica and so, before,
+    waited for none: its daemons went on issuing while the new master handed their ids out again.
+    Now no write there counts: the holder stops at its deadline, the newcomer never serves."""
+    master, replica = pair
+    timings = ("--lease-ttl", "3s", "--lease-renew", "1s", "--lease-delay", "2s")
+    skew = ("--clock-skew-max", "0.5s", "--clock-skew-warn", "0.5s", "--min-worker-id", "1", "--max-worker-id", "2")
+    init_pool(master.url, "t", 1, 2)
+    old_side = daemons.start("--redis", f"{master.url}?ns=t", *timings, *skew, worker_id=None)
+    wait_serving(old_side)
+    assert stats(old_side)["lease_replicas_expected"] == "1"
+    recorder = Recorder([old_side]).start()
+    try:
+        time.sleep(1)
+        # The partition: the replica stops hearing from the old master and is promoted.
+        replica.client().config_set("masterauth", "cut-off")
+        master.client().client_kill_filter(_type="replica")
+        replica.client().execute_command("REPLICAOF", "NO", "ONE")
+        split = time.monotonic()
+        late = daemons.start("--redis", f"{master.url}?ns=t", *timings, *skew, worker_id=None)
+        recorder.add(late)
+        new_side = daemons.start("--redis", f"{replica.url}?ns=t", *timings, *skew, worker_id=None)
+        recorder.add(new_side)
+        # The new side serves once what is in doubt has certainly stopped.
+        wait_until(lambda: len(recorder.served(2, split)) > 0, timeout=30, step=0.1)
+        time.sleep(2)
+    finally:
+        recorder.stop()
+    assert recorder.duplicates() == 0, recorder.summary()
+    assert "acquire not acknowledged by the replicas" in late.stderr()
+    assert recorder.overlapping_holders() == []
+    old_last = recorder.served(0)[-1].received - split
+    print(
+        f"two masters at once: {recorder.summary()}; the old side's holder served until {old_last:.1f} s after"
+        f" the split, the newcomer there never; the new side from {recorder.served(2)[0].received - split:.1f} s"
+    )
+    assert old_last <= 3.0  # its deadline: the last renew the replica acknowledged, plus the ttl minus margin
+    assert not recorder.served(1)  # a daemon that comes to the old master knows the replica count from the pool
+    assert "replicas acknowledged it" in old_side.stderr()
+    assert stats(late)["lease_replicas_expected"] == "1"

@@ -1,0 +1,335 @@
+"""The Kubernetes manifests in deploy/kubernetes/ (issue 25), checked offline:
+
+- every resource validates against the Kubernetes API schemas (``kubernetes-validate``, strict: an
+  unknown or misspelt field fails) for the oldest and the newest version checked;
+- each container's command line (the image's ENTRYPOINT from the Dockerfile, then the manifest's
+  ``args``, with the manifest's and the image's environment) is parsed by the daemon's own parser,
+  and what it configures agrees with the manifest: ports, probes, the state volume, the worker id;
+- what operators expect of a fleet is there: non-root, read-only root file system, no capabilities,
+  seccomp RuntimeDefault, probes, resource requests, a PVC per pod, a PodDisruptionBudget and a
+  headless Service for the StatefulSet, a Redis-leasing Deployment;
+- the container's command runs: a real daemon with the StatefulSet's (and the Deployment's) flags
+  answers the probes' paths.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import socket
+import subprocess
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import pytest
+from conftest import DAEMON_CMD, daemon_env, free_port, wait_for_port
+from lease_helpers import init_pool, wait_until
+
+import katsubushi_py
+from katsubushi_py.config import ServerConfig, parse_server_config
+
+yaml = pytest.importorskip("yaml", reason="PyYAML comes with kubernetes-validate (the test extra)")
+kubernetes_validate = pytest.importorskip("kubernetes_validate", reason="the test extra installs kubernetes-validate")
+
+ROOT = Path(__file__).resolve().parent.parent
+MANIFESTS = sorted((ROOT / "deploy" / "kubernetes").glob("*.yaml"))
+# The oldest Kubernetes minor the manifests promise to work with, and the newest the schemas know.
+VERSIONS = ["1.30.0", kubernetes_validate.utils.latest_version()]
+# A Redis URL where the manifests take one from a Secret.
+SAMPLE_REDIS = "redis://redis.default.svc:6379/0?ns=myapp"
+
+
+def resources() -> list[tuple[str, dict[str, Any]]]:
+    found = []
+    for path in MANIFESTS:
+        for doc in yaml.safe_load_all(path.read_text()):
+            if doc:
+                found.append((path.name, doc))
+    return found
+
+
+def of_kind(kind: str, file: str | None = None) -> list[dict[str, Any]]:
+    return [doc for name, doc in resources() if doc["kind"] == kind and (file is None or name == file)]
+
+
+def workloads() -> list[dict[str, Any]]:
+    return of_kind("StatefulSet") + of_kind("Deployment")
+
+
+def the_container(workload: dict[str, Any]) -> dict[str, Any]:
+    [container] = workload["spec"]["template"]["spec"]["containers"]
+    return container
+
+
+# -- schemas ---------------------------------------------------------------------------------------
+def test_the_manifests_are_there() -> None:
+    kinds = sorted(doc["kind"] for _, doc in resources())
+    expected = ["Service", "StatefulSet", "PodDisruptionBudget", "Service", "Deployment", "PodDisruptionBudget"]
+    assert kinds == sorted([*expected, "NetworkPolicy"])
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+def test_every_resource_validates_against_the_kubernetes_schemas(version: str) -> None:
+    for name, doc in resources():
+        try:
+            kubernetes_validate.validate(doc, version, strict=True)
+        except kubernetes_validate.ValidationError as exc:
+            where = f"{name}: {doc['kind']}/{doc['metadata']['name']} (Kubernetes {version})"
+            raise AssertionError(f"{where}: {exc}") from None
+
+
+def test_the_validation_would_catch_a_mistake() -> None:
+    [statefulset] = of_kind("StatefulSet")
+    the_container(statefulset)["securityContext"]["readOnlyRootFS"] = True  # misspelt
+    with pytest.raises(kubernetes_validate.ValidationError, match="readOnlyRootFS"):
+        kubernetes_validate.validate(statefulset, VERSIONS[0], strict=True)
+    [deployment] = of_kind("Deployment")
+    the_container(deployment)["ports"][0]["containerPort"] = "11212"  # a string
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(deployment, VERSIONS[0], strict=True)
+
+
+# -- the daemon's flags ----------------------------------------------------------------------------
+def dockerfile_final_stage() -> list[tuple[str, str]]:
+    text = re.sub(r"\\\n\s*", " ", (ROOT / "Dockerfile").read_text())
+    stages: list[list[tuple[str, str]]] = []
+    for line in text.splitlines():
+        line = line.strip()
+        if line and not line.startswith("#"):
+            word, _, rest = line.partition(" ")
+            if word.upper() == "FROM":
+                stages.append([])
+            stages[-1].append((word.upper(), rest.strip()))
+    return stages[-1]
+
+
+def image_entrypoint() -> list[str]:
+    [entrypoint] = [rest for word, rest in dockerfile_final_stage() if word == "ENTRYPOINT"]
+    return json.loads(entrypoint)
+
+
+def image_env() -> dict[str, str]:
+    env: dict[str, str] = {}
+    for word, rest in dockerfile_final_stage():
+        if word == "ENV":
+            env.update(pair.split("=", 1) for pair in rest.split())
+    return env
+
+
+def container_env(container: dict[str, Any]) -> dict[str, str]:
+    """The image's environment, then the container's; a Secret's value is the sample URL."""
+    env = dict(image_env())
+    for item in container.get("env", []):
+        if "value" in item:
+            env[item["name"]] = item["value"]
+        else:
+            ref = item["valueFrom"]["secretKeyRef"]
+            assert (ref["name"], ref["key"]) == ("katsubushi-redis", "url"), ref
+            env[item["name"]] = SAMPLE_REDIS
+    return env
+
+
+def daemon_config(workload: dict[str, Any], pod_name: str) -> ServerConfig:
+    """What the daemon in this workload's pod ``pod_name`` makes of its command line and environment,
+    parsed by the daemon's own parser (``--hostname`` stands for the pod's host name)."""
+    container = the_container(workload)
+    entrypoint = image_entrypoint()
+    assert entrypoint[0] == "katsubushi-py" and "command" not in container, "the image's entrypoint runs"
+    argv = [*entrypoint[1:], *container["args"]]
+    if "--worker-id-from" in argv:
+        argv += ["--hostname", pod_name]
+    config, _ = parse_server_config(argv, container_env(container))
+    assert config is not None
+    return config
+
+
+def port_number(container: dict[str, Any], port: int | str) -> int:
+    if isinstance(port, int):
+        return port
+    [number] = [p["containerPort"] for p in container["ports"] if p["name"] == port]
+    return number
+
+
+def test_the_statefulsets_flags_give_each_pod_its_ordinal_as_worker_id() -> None:
+    [statefulset] = of_kind("StatefulSet")
+    name = statefulset["metadata"]["name"]
+    for ordinal in (0, 1, statefulset["spec"]["replicas"] - 1):
+        config = daemon_config(statefulset, f"{name}-{ordinal}")
+        assert config.worker_id == ordinal and config.lease is None
+        assert config.worker_id_source.startswith(f"hostname '{name}-{ordinal}'")
+
+
+def test_the_deployments_flags_lease_worker_ids_from_redis() -> None:
+    [deployment] = of_kind("Deployment")
+    config = daemon_config(deployment, "katsubushi-leased-7c9d8f6b5-x9k22")
+    assert config.worker_id is None and config.lease is not None
+    assert config.lease.target.namespace == "myapp"
+
+
+@pytest.mark.parametrize("kind", ["StatefulSet", "Deployment"])
+def test_the_flags_agree_with_the_manifest(kind: str) -> None:
+    [workload] = of_kind(kind)
+    container = the_container(workload)
+    config = daemon_config(workload, f"{workload['metadata']['name']}-0")
+    assert config.host == "0.0.0.0"  # reachable on the pod's address
+    assert config.port == port_number(container, "memcached")
+    assert config.http_port == port_number(container, "http")
+    for probe in ("readinessProbe", "livenessProbe"):
+        assert port_number(container, container[probe]["httpGet"]["port"]) == config.http_port
+    assert container["readinessProbe"]["httpGet"]["path"] == "/healthz"
+    assert port_number(container, container["startupProbe"]["tcpSocket"]["port"]) == config.port
+    [mount] = container["volumeMounts"]
+    assert config.state_dir == mount["mountPath"] and config.state_file is None
+    assert container["image"].endswith(f":{katsubushi_py.__version__}")
+
+
+def test_a_flag_the_daemon_does_not_know_would_be_caught() -> None:
+    """The parse above is strict: a manifest with a misspelt flag fails it."""
+    from katsubushi_py.config import ConfigError
+
+    [statefulset] = of_kind("StatefulSet")
+    the_container(statefulset)["args"].append("--htpp-port")
+    with pytest.raises(ConfigError, match="unrecognized arguments: --htpp-port"):
+        daemon_config(statefulset, "katsubushi-0")
+
+
+# -- what a fleet needs ----------------------------------------------------------------------------
+@pytest.mark.parametrize("kind", ["StatefulSet", "Deployment"])
+def test_the_pods_are_locked_down(kind: str) -> None:
+    [workload] = of_kind(kind)
+    pod = workload["spec"]["template"]["spec"]
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    assert (
+        pod["securityContext"]["runAsUser"]
+        == 10001
+        == int(next(rest for word, rest in dockerfile_final_stage() if word == "USER").split(":")[0])
+    )
+    assert pod["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
+    assert pod["automountServiceAccountToken"] is False and pod["enableServiceLinks"] is False
+    container = the_container(workload)
+    security = container["securityContext"]
+    assert security["readOnlyRootFilesystem"] is True and security["allowPrivilegeEscalation"] is False
+    assert security["capabilities"] == {"drop": ["ALL"]} and security["privileged"] is False
+    requests = container["resources"]["requests"]
+    assert set(requests) == {"cpu", "memory"} and "memory" in container["resources"]["limits"]
+
+
+def test_the_statefulset_keeps_its_state_on_a_claim_per_pod_behind_a_headless_service() -> None:
+    [statefulset] = of_kind("StatefulSet")
+    spec = statefulset["spec"]
+    [claim] = spec["volumeClaimTemplates"]
+    [mount] = the_container(statefulset)["volumeMounts"]
+    assert claim["metadata"]["name"] == mount["name"] and claim["spec"]["accessModes"] == ["ReadWriteOnce"]
+    assert spec["persistentVolumeClaimRetentionPolicy"] == {"whenDeleted": "Retain", "whenScaled": "Retain"}
+    [service] = [s for s in of_kind("Service") if s["metadata"]["name"] == spec["serviceName"]]
+    assert service["spec"]["clusterIP"] == "None"
+    labels = spec["template"]["metadata"]["labels"]
+    assert spec["selector"]["matchLabels"] == labels == service["spec"]["selector"]
+
+
+@pytest.mark.parametrize("kind", ["StatefulSet", "Deployment"])
+def test_a_disruption_budget_and_a_service_select_each_workload(kind: str) -> None:
+    [workload] = of_kind(kind)
+    labels = workload["spec"]["template"]["metadata"]["labels"]
+    budgets = [b for b in of_kind("PodDisruptionBudget") if b["spec"]["selector"]["matchLabels"] == labels]
+    assert len(budgets) == 1 and budgets[0]["spec"]["maxUnavailable"] == 1
+    services = [s for s in of_kind("Service") if s["spec"]["selector"] == labels]
+    assert len(services) == 1
+    ports = {p["name"]: p["targetPort"] for p in services[0]["spec"]["ports"]}
+    assert ports == {"memcached": "memcached", "http": "http"}
+
+
+def test_the_network_policy_opens_exactly_the_two_ports() -> None:
+    [policy] = of_kind("NetworkPolicy")
+    ports = sorted(port["port"] for rule in policy["spec"]["ingress"] for port in rule["ports"])
+    container_ports = sorted(p["containerPort"] for p in the_container(of_kind("StatefulSet")[0])["ports"])
+    assert ports == container_ports
+    for workload in workloads():
+        labels = workload["spec"]["template"]["metadata"]["labels"]
+        assert policy["spec"]["podSelector"]["matchLabels"].items() <= labels.items()
+
+
+# -- the command runs ------------------------------------------------------------------------------
+def http_status(port: int, path: str) -> int:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=5) as response:
+            return response.status
+    except urllib.error.HTTPError as exc:
+        return exc.code
+
+
+def run_container_command(
+    workload: dict[str, Any], pod_name: str, tmp_path: Path, extra_env: dict[str, str] | None = None
+) -> tuple[subprocess.Popen[bytes], int, int, Path]:
+    """The container's command on loopback: its flags with the ports, host and state volume moved
+    to this machine (tests listen on 127.0.0.1 and free ports only)."""
+    container = the_container(workload)
+    args = [*image_entrypoint()[1:], *container["args"]]
+    port, http = free_port(), free_port()
+    data = tmp_path / "data"
+    data.mkdir(parents=True)
+    moved = {"0.0.0.0": "127.0.0.1", str(port_number(container, "http")): str(http), "/data": str(data)}
+    argv = [*DAEMON_CMD, *(moved.get(a, a) for a in args), "--port", str(port)]
+    if "--worker-id-from" in argv:
+        argv += ["--hostname", pod_name]
+    env = {k: str(data) if v == "/data" else v for k, v in container_env(container).items()}
+    env.update(extra_env or {})
+    log = tmp_path / "daemon.log"
+    with open(log, "wb") as err:
+        proc = subprocess.Popen(
+            argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=err, env=daemon_env(data, env)
+        )
+    return proc, port, http, log
+
+
+@pytest.mark.once
+def test_the_statefulsets_command_answers_its_probes(tmp_path: Path) -> None:
+    [statefulset] = of_kind("StatefulSet")
+    container = the_container(statefulset)
+    proc, port, http, log = run_container_command(statefulset, "katsubushi-2", tmp_path)
+    try:
+        wait_for_port(port, proc)  # the startup probe: a TCP connection to the memcached port
+        wait_for_port(http, proc)
+        assert http_status(http, container["readinessProbe"]["httpGet"]["path"]) == 200
+        assert http_status(http, container["livenessProbe"]["httpGet"]["path"]) == 200
+        with socket.create_connection(("127.0.0.1", port), timeout=5) as s:
+            s.sendall(b"GET a\r\n")
+            reply = s.recv(100)
+        assert reply.startswith(b"VALUE a 0 ") and (int(reply.split(b"\r\n")[1]) >> 12) & 0x3FF == 2
+    finally:
+        proc.terminate()
+        assert proc.wait(10) == 0
+    text = log.read_text()
+    assert "worker id 2 from hostname 'katsubushi-2'" in text
+    assert (tmp_path / "data" / "worker-2.state").exists()
+    assert all(json.loads(line)["level"] in ("info", "warning") for line in text.splitlines()), text
+
+
+@pytest.mark.once
+def test_the_deployments_command_is_ready_once_it_holds_a_lease(tmp_path: Path, redis_server: Any) -> None:
+    """Not ready (/healthz 503) but alive while Redis cannot be reached; ready once it holds a lease
+    from the pool ``lease init`` made."""
+    [deployment] = of_kind("Deployment")
+    container = the_container(deployment)
+    ready = container["readinessProbe"]["httpGet"]["path"]
+    alive = container["livenessProbe"]["httpGet"]["path"]
+    nowhere = f"redis://127.0.0.1:{free_port()}/0?ns=k8s"
+    proc, _, http, _ = run_container_command(deployment, "katsubushi-leased-1", tmp_path / "a", {"REDIS": nowhere})
+    try:
+        wait_for_port(http, proc)
+        assert (http_status(http, ready), http_status(http, alive)) == (503, 200)
+    finally:
+        proc.terminate()
+        assert proc.wait(10) == 0
+    init_pool(redis_server.url, "k8s")
+    url = f"{redis_server.url}?ns=k8s"
+    proc, _, http, log = run_container_command(deployment, "katsubushi-leased-2", tmp_path / "b", {"REDIS": url})
+    try:
+        wait_for_port(http, proc)
+        wait_until(lambda: http_status(http, ready) == 200, timeout=15)
+    finally:
+        proc.terminate()
+        assert proc.wait(10) == 0
+    assert "leased worker id" in log.read_text()
