@@ -338,8 +338,12 @@ class Subject:
     cpus: str = "0"
 
     def serves(self, sc: Scenario) -> bool:
-        """An older checkout (``--baseline``) may predate the binary protocol: it sits those out."""
-        return self.cwd is None or BINARY[0] not in sc.args
+        """An older checkout (``--baseline``) may predate the binary protocol: then it sits those out."""
+        return (
+            self.cwd is None
+            or BINARY[0] not in sc.args
+            or (Path(self.cwd) / "katsubushi_py/frontends/binary.py").exists()
+        )
 
     def cmd(self, port: int | None, sock: str | None, state_dir: Path) -> list[str]:
         """The command line; ``state_dir`` must be this instance's own (worker id 1's file is locked)."""
@@ -356,6 +360,9 @@ def start_subject(subject: Subject, port: int | None, sock: str | None, state_di
     env = {**os.environ, **subject.env}
     if subject.cwd is not None:
         env["PYTHONPATH"] = subject.cwd
+        # An older checkout is started without --state-dir; one that keeps state finds its own
+        # directory here (two of them, compiled and pure, cannot share worker id 1's file).
+        env["STATE_DIRECTORY"] = str(state_dir)
     proc = subprocess.Popen(
         subject.cmd(port, sock, state_dir),
         stdin=subprocess.DEVNULL,
@@ -417,7 +424,9 @@ def main() -> None:
         metavar="N",
         help="instead: --workers N against memcached -t N, 64 connections",
     )
-    parser.add_argument("--only", metavar="TEXT", help="only the scenarios whose name contains TEXT")
+    parser.add_argument(
+        "--only", metavar="TEXT", action="append", help="only the scenarios whose name contains TEXT (repeatable)"
+    )
     parser.add_argument("--json", metavar="PATH", help="also write every sample as JSON (for bench/plot_results.py)")
     args = parser.parse_args()
     if args.quick:
@@ -433,6 +442,15 @@ def main() -> None:
         subjects.append(Subject("katsubushi-py (python)", {"KATSUBUSHI_NO_EXTENSIONS": "1"}, python=args.python))
     if args.baseline:
         subjects.append(Subject("baseline", cwd=str(Path(args.baseline).resolve()), python=args.python))
+        if args.pure:
+            subjects.append(
+                Subject(
+                    "baseline (python)",
+                    {"KATSUBUSHI_NO_EXTENSIONS": "1"},
+                    cwd=str(Path(args.baseline).resolve()),
+                    python=args.python,
+                )
+            )
     for other in args.also_python:
         version = subprocess.run(
             [other, "-c", "import platform; print(platform.python_version())"],
@@ -507,7 +525,7 @@ def main() -> None:
         else:
             scenarios = scenarios_for()
         if args.only:
-            scenarios = [sc for sc in scenarios if args.only in sc.name]
+            scenarios = [sc for sc in scenarios if any(text in sc.name for text in args.only)]
         names = [subject.name for subject in subjects]
         verified = 0
         for sc in scenarios:

@@ -11,11 +11,13 @@
  *                  Python generator's _refill, reached through _next_id_slow / _next_ids_slow.
  *   Counters       twin of issuing/issuer.py PyCounters: commands and IDs as C integers.
  *   TextCore,      twins of the fast cases of TextConnection.receive and BinaryConnection.receive
- *   BinaryCore     (frontends/fastpath.py PyConnectionCore): complete GET/GETS lines, or GET-family
- *                  and NOOP packets, whose IDs are all in the current bucket. At the first request
- *                  it does not take (any other command, a partial request, a used-up bucket, a held
- *                  buffer, a waiting or closing connection) it hands the rest to the Python
- *                  _receive_slow, so every byte of behaviour that is not the fast path is Python's.
+ *   BinaryCore     (frontends/fastpath.py PyConnectionCore): complete GET/GETS lines (at most 128
+ *                  keys of at most 250 bytes), or GET-family and NOOP packets, whose IDs are all in
+ *                  the current bucket. At the first request it does not take (any other command, a
+ *                  partial request, a used-up bucket, a held buffer, a command in progress, a
+ *                  waiting, held-back or closing connection) it hands the rest to the Python
+ *                  _receive_slow, so every byte of behaviour that is not the fast path is Python's;
+ *                  once its reply reaches REPLY_BUDGET it holds the rest (backlog), as Python does.
  *   ProtocolCore   twin of daemon/connection.py PyProtocolCore: the asyncio protocol's data_received
  *                  (receive, write the reply, and hand closing or waiting to Python), calling a
  *                  compiled connection's receive directly: a request runs no Python frame.
@@ -61,9 +63,14 @@ gen_now(GenCore *self, long long *out)
         *out = (long long)ts.tv_sec * 1000000000LL + ts.tv_nsec;
         return 0;
     }
-    PyObject *r = PyObject_CallNoArgs(self->mono_fn);
+    /* The clock may drop itself (_use_clock(None)) while it runs: hold it for the call. */
+    PyObject *fn = self->mono_fn;
+    Py_INCREF(fn);
+    PyObject *r = PyObject_CallNoArgs(fn);
+    Py_DECREF(fn);
     if (r == NULL)
         return -1;
+
     *out = PyLong_AsLongLong(r);
     Py_DECREF(r);
     if (*out == -1 && PyErr_Occurred())
@@ -71,12 +78,14 @@ gen_now(GenCore *self, long long *out)
     return 0;
 }
 
-/* 1 if the bucket is valid now and holds at least k IDs, 0 if not, -1 on error. */
+/* 1 if the bucket is valid now and holds at least k IDs, 0 if not, -1 on error. _set_bucket keeps
+ * 0 <= next <= stop, and every take keeps next <= stop, so stop - next cannot overflow; it is checked
+ * all the same, so that no state reachable by a bug can make it undefined. */
 static int
 gen_has(GenCore *self, long long k)
 {
-    long long now;
-    if (self->stop - self->next < k)
+    long long now, left;
+    if (__builtin_sub_overflow(self->stop, self->next, &left) || left < k)
         return 0;
     if (gen_now(self, &now) < 0)
         return -1;
@@ -174,7 +183,9 @@ GenCore_take_many(GenCore *self, PyObject *arg)
     long long k = PyLong_AsLongLong(arg);
     if (k == -1 && PyErr_Occurred())
         return NULL;
-    long long left = self->stop - self->next;
+    long long left;
+    if (__builtin_sub_overflow(self->stop, self->next, &left) || left < 0)
+        left = 0;
     if (k > left)
         k = left;
     if (k < 0)
@@ -207,9 +218,14 @@ GenCore_set_bucket(GenCore *self, PyObject *const *args, Py_ssize_t nargs)
     end = PyLong_AsLongLong(args[2]);
     if (PyErr_Occurred())
         return NULL;
+    long long stop;
+    if (base < 0 || count < 0 || __builtin_add_overflow(base, count, &stop)) {
+        PyErr_SetString(PyExc_ValueError, "_set_bucket: base and count must be >= 0 and base + count < 2**63");
+        return NULL;
+    }
     /* Order matters for nothing here: the GIL is held, no other thread sees a half-set bucket. */
     self->next = base;
-    self->stop = base + count;
+    self->stop = stop;
     self->end_ns = end;
     Py_RETURN_NONE;
 }
@@ -389,15 +405,21 @@ static PyType_Spec Counters_spec = {
 /* ------------------------------------------------------------------------------------------------ */
 /* Connection cores: TextCore and BinaryCore share one layout                                                                                          */
 
-#define MAX_FAST_KEYS 128
+/* The limits shared with frontends/fastpath.py (exported, and compared by a test). */
+#define MAX_FAST_KEYS 128   /* GET_BATCH: the longest get line the fast path takes */
+#define MAX_KEY 250         /* memcached's key limit */
+#define REPLY_BUDGET 65536  /* a receive takes no further command once its reply is this long */
 
 typedef struct ConnCore_ {
     PyObject_HEAD
     /* The sans-IO connection's own state, shared with the Python subclass as attributes. */
     PyObject *buffer;    /* _buffer: bytes held from earlier reads */
+    int state;           /* _state: 0 at a command's start; else in the middle of one (Python's) */
     char closing;        /* closing */
+    char backlog;        /* backlog: input held until the reply so far is written (resume) */
     double wait;         /* wait */
     long long activity;  /* activity */
+    Py_ssize_t spent;    /* _spent: reply bytes made before handing the rest to _receive_slow */
     /* Set once by _fast_init. */
     GenCore *gen;        /* NULL: no fast path */
     Counters *counters;
@@ -510,7 +532,7 @@ put_digits(char *out, unsigned long long v)
 static inline int
 gen_digits(GenCore *gen, long long id)
 {
-    if (id == gen->digits_of + 1 && gen->digits_of >= 0) {
+    if (gen->digits_of >= 0 && id - gen->digits_of == 1) { /* both >= 0: no overflow */
         int d = gen->ndigits - 1;
         while (d >= 0 && gen->digits[d] == '9')
             gen->digits[d--] = '0';
@@ -565,13 +587,22 @@ out_free(outbuf *o)
         PyMem_Free(o->data);
 }
 
+/* " 0 <length>\r\n" after a VALUE line's key, by the length of the ID (1 to 20 digits), padded to 8
+ * bytes so that one fixed-size copy writes it (the next write overwrites the padding). */
+static const char FLAGS_LENGTH[21][8] = {
+    "",          " 0 1\r\n",  " 0 2\r\n",  " 0 3\r\n",  " 0 4\r\n",  " 0 5\r\n",  " 0 6\r\n",
+    " 0 7\r\n",  " 0 8\r\n",  " 0 9\r\n",  " 0 10\r\n", " 0 11\r\n", " 0 12\r\n", " 0 13\r\n",
+    " 0 14\r\n", " 0 15\r\n", " 0 16\r\n", " 0 17\r\n", " 0 18\r\n", " 0 19\r\n", " 0 20\r\n",
+};
+
 /* Try to answer one line [p, end) (without its LF) as a GET the fast path may take. Returns 1 if
  * answered (reply appended), 0 if the line is for Python, -1 on error. */
 static int
-text_fast_line(ConnCore *self, const char *p, const char *end, outbuf *out)
+text_fast_line(ConnCore *self, GenCore *gen, Counters *counters, const char *p, const char *end, outbuf *out)
 {
     const char *keys[MAX_FAST_KEYS];
     Py_ssize_t keylen[MAX_FAST_KEYS];
+    Py_ssize_t total = 0; /* bytes of all the keys */
     int nkeys = 0;
 
     while (p < end && is_ws((unsigned char)*p))
@@ -602,18 +633,17 @@ text_fast_line(ConnCore *self, const char *p, const char *end, outbuf *out)
         while (p < end && !is_ws((unsigned char)*p))
             p++;
         keylen[nkeys] = p - keys[nkeys];
+        if (keylen[nkeys] > MAX_KEY)
+            return 0; /* CLIENT_ERROR in its place: Python's */
+        total += keylen[nkeys];
         nkeys++;
     }
     if (nkeys == 0)
         return 0; /* "GET" alone: ERROR, Python's */
-    GenCore *gen = self->gen;
     int has = gen_has(gen, nkeys);
     if (has <= 0)
         return has; /* used up or expired: Python refills (and may wait or fail) */
-    Py_ssize_t need = 8; /* END\r\n */
-    for (int i = 0; i < nkeys; i++)
-        need += keylen[i] + 48;
-    if (out_reserve(out, need) < 0)
+    if (out_reserve(out, 8 + total + 48 * (Py_ssize_t)nkeys) < 0) /* each key's line and value, END */
         return -1;
     char *o = out->data + out->len;
     long long id = gen->next;
@@ -624,11 +654,8 @@ text_fast_line(ConnCore *self, const char *p, const char *end, outbuf *out)
         o += 6;
         memcpy(o, keys[i], keylen[i]);
         o += keylen[i];
-        memcpy(o, " 0 ", 3);
-        o += 3;
-        o += put_digits(o, (unsigned long long)nd);
-        *o++ = '\r';
-        *o++ = '\n';
+        memcpy(o, FLAGS_LENGTH[nd], 8); /* " 0 <nd>\r\n" and padding, then only its length kept */
+        o += nd < 10 ? 6 : 7;
         memcpy(o, digits, nd);
         o += nd;
         *o++ = '\r';
@@ -638,29 +665,36 @@ text_fast_line(ConnCore *self, const char *p, const char *end, outbuf *out)
     o += 5;
     out->len = o - out->data;
     gen->next += nkeys;
-    self->counters->commands += 1;
-    self->counters->ids += nkeys;
+    counters->commands += 1;
+    counters->ids += nkeys;
     self->activity += 1;
     return 1;
 }
 
 /* The reply to data when the fast path answered data[0:pos] into out: out alone if it took
- * everything, else out followed by what the Python _receive_slow answers for the rest. */
+ * everything; if it stopped because out reached the reply budget, out, with the rest held (backlog),
+ * as Python holds it at that point; else out followed by what the Python _receive_slow answers for the
+ * rest, told how much out already holds (_spent) so that it stops where it would have alone. */
 static PyObject *
-finish_reply(ConnCore *self, PyObject *data, Py_ssize_t pos, outbuf *out)
+finish_reply(ConnCore *self, PyObject *data, Py_ssize_t pos, outbuf *out, int over_budget)
 {
     Py_ssize_t len = PyBytes_GET_SIZE(data);
     if (pos == len)
         return PyBytes_FromStringAndSize(out->data, out->len);
-    if (pos == 0)
-        return PyObject_CallMethodOneArg((PyObject *)self, str_receive_slow, data);
-    PyObject *rest = PyBytes_FromStringAndSize(PyBytes_AS_STRING(data) + pos, len - pos);
+    PyObject *rest = pos == 0 ? Py_NewRef(data) : PyBytes_FromStringAndSize(PyBytes_AS_STRING(data) + pos, len - pos);
     if (rest == NULL)
         return NULL;
+    if (over_budget) {
+        Py_SETREF(self->buffer, rest);
+        self->backlog = 1;
+        return PyBytes_FromStringAndSize(out->data, out->len);
+    }
+    self->spent = out->len;
     PyObject *tail = PyObject_CallMethodOneArg((PyObject *)self, str_receive_slow, rest);
+    self->spent = 0;
     Py_DECREF(rest);
-    if (tail == NULL)
-        return NULL;
+    if (tail == NULL || out->len == 0)
+        return tail;
     if (!PyBytes_Check(tail)) {
         Py_DECREF(tail);
         PyErr_SetString(PyExc_TypeError, "_receive_slow must return bytes");
@@ -676,12 +710,13 @@ finish_reply(ConnCore *self, PyObject *data, Py_ssize_t pos, outbuf *out)
 }
 
 /* May the fast path look at data at all? Not before _fast_init found compiled parts, and not while
- * the connection holds bytes, waits for the clock or is closing: those are Python's to handle. */
+ * the connection holds bytes, is in the middle of a command (a get line's keys, a data block), waits
+ * for the clock or for its reply to be written, or is closing: those are Python's to handle. */
 static inline int
 may_take(ConnCore *self, PyObject *data)
 {
     return self->gen != NULL && PyBytes_CheckExact(data) && !self->closing && self->wait == 0.0 &&
-           PyBytes_GET_SIZE(self->buffer) == 0;
+           self->state == 0 && !self->backlog && PyBytes_GET_SIZE(self->buffer) == 0;
 }
 
 static PyObject *
@@ -695,27 +730,42 @@ TextCore_receive(ConnCore *self, PyObject *data)
     out.data = out.stack;
     out.len = 0;
     out.cap = sizeof(out.stack);
+    int over_budget = 0;
+    /* The generator's clock may be Python (an injected one) and do anything, _fast_init included:
+     * hold the generator and the counters while they are used. */
+    GenCore *gen = self->gen;
+    Counters *counters = self->counters;
+    Py_INCREF(gen);
+    Py_INCREF(counters);
     while (pos < end) {
+        if (out.len >= REPLY_BUDGET) {
+            over_budget = 1;
+            break;
+        }
         const char *nl = memchr(pos, '\n', end - pos);
         if (nl == NULL || nl - pos >= self->max_line)
             break;
-        int r = text_fast_line(self, pos, nl, &out);
+        int r = text_fast_line(self, gen, counters, pos, nl, &out);
         if (r < 0) {
             out_free(&out);
+            Py_DECREF(gen);
+            Py_DECREF(counters);
             return NULL;
         }
         if (r == 0)
             break;
         pos = nl + 1;
     }
-    PyObject *result = finish_reply(self, data, pos - start, &out);
+    Py_DECREF(gen);
+    Py_DECREF(counters);
+    PyObject *result = finish_reply(self, data, pos - start, &out, over_budget);
     out_free(&out);
     return result;
 }
 
 /* The binary protocol: the request and response headers are 24 bytes, big-endian. */
 #define BIN_HEADER 24
-#define BIN_MAX_KEY 250
+#define BIN_MAX_KEY MAX_KEY
 #define BIN_MAX_BODY 4096
 #define OP_GET 0x00
 #define OP_GETQ 0x09
@@ -763,11 +813,16 @@ BinaryCore_receive(ConnCore *self, PyObject *data)
         return PyObject_CallMethodOneArg((PyObject *)self, str_receive_slow, data);
     const unsigned char *p = (const unsigned char *)PyBytes_AS_STRING(data);
     Py_ssize_t len = PyBytes_GET_SIZE(data), pos = 0;
-    GenCore *gen = self->gen;
     outbuf out;
     out.data = out.stack;
     out.len = 0;
     out.cap = sizeof(out.stack);
+    int over_budget = 0;
+    /* Held while used: the generator's clock may be Python and do anything (see TextCore_receive). */
+    GenCore *gen = self->gen;
+    Counters *counters = self->counters;
+    Py_INCREF(gen);
+    Py_INCREF(counters);
     while (len - pos >= BIN_HEADER) {
         const unsigned char *h = p + pos;
         int opcode = h[1];
@@ -778,6 +833,11 @@ BinaryCore_receive(ConnCore *self, PyObject *data)
             pos + BIN_HEADER + (Py_ssize_t)bodylen > len)
             break; /* a bad or incomplete request: Python's */
         if (opcode == OP_NOOP) {
+            /* Python stops before any request but a get once the reply has reached the budget. */
+            if (out.len >= REPLY_BUDGET) {
+                over_budget = 1;
+                break;
+            }
             if (out_reserve(&out, BIN_HEADER) < 0)
                 goto error;
             bin_header(out.data + out.len, OP_NOOP, 0, 0, 0, h + 12);
@@ -802,18 +862,22 @@ BinaryCore_receive(ConnCore *self, PyObject *data)
             memcpy(o, gen->digits, nd);
             o += nd;
             out.len = o - out.data;
-            self->counters->commands += 1;
-            self->counters->ids += 1;
+            counters->commands += 1;
+            counters->ids += 1;
             self->activity += 1;
         } else {
             break; /* any other command: Python's */
         }
         pos += BIN_HEADER + (Py_ssize_t)bodylen;
     }
-    PyObject *result = finish_reply(self, data, pos, &out);
+    Py_DECREF(gen);
+    Py_DECREF(counters);
+    PyObject *result = finish_reply(self, data, pos, &out, over_budget);
     out_free(&out);
     return result;
 error:
+    Py_DECREF(gen);
+    Py_DECREF(counters);
     out_free(&out);
     return NULL;
 }
@@ -856,6 +920,25 @@ ConnCore_set_closing(ConnCore *self, PyObject *value, void *closure)
     return 0;
 }
 
+static PyObject *
+ConnCore_get_backlog(ConnCore *self, void *closure)
+{
+    return PyBool_FromLong(self->backlog);
+}
+
+static int
+ConnCore_set_backlog(ConnCore *self, PyObject *value, void *closure)
+{
+    int v = value == NULL ? -1 : PyObject_IsTrue(value);
+    if (v < 0) {
+        if (!PyErr_Occurred())
+            PyErr_SetString(PyExc_AttributeError, "cannot delete backlog");
+        return -1;
+    }
+    self->backlog = (char)v;
+    return 0;
+}
+
 static PyMethodDef TextCore_methods[] = {
     {"receive", (PyCFunction)TextCore_receive, METH_O, "Take newly arrived bytes; return the reply."},
     {"_fast_init", (PyCFunction)(void (*)(void))ConnCore_fast_init, METH_FASTCALL, NULL},
@@ -865,12 +948,15 @@ static PyMethodDef TextCore_methods[] = {
 static PyMemberDef ConnCore_members[] = {
     {"wait", T_DOUBLE, offsetof(ConnCore, wait), 0, NULL},
     {"activity", T_LONGLONG, offsetof(ConnCore, activity), 0, NULL},
+    {"_state", T_INT, offsetof(ConnCore, state), 0, NULL},
+    {"_spent", T_PYSSIZET, offsetof(ConnCore, spent), READONLY, NULL},
     {NULL},
 };
 
 static PyGetSetDef ConnCore_getset[] = {
     {"_buffer", (getter)ConnCore_get_buffer, (setter)ConnCore_set_buffer, NULL, NULL},
     {"closing", (getter)ConnCore_get_closing, (setter)ConnCore_set_closing, NULL, NULL},
+    {"backlog", (getter)ConnCore_get_backlog, (setter)ConnCore_set_backlog, NULL, NULL},
     {NULL},
 };
 
@@ -965,60 +1051,87 @@ ProtoCore_dealloc(ProtoCore *self)
 }
 
 /* data_received(data): the reply to what arrived, written at once; anything else a connection may
- * need afterwards (close, wait for the clock) is the Python _after_receive's. */
+ * need afterwards (close, wait for the clock, carry on once the reply is written) is the Python
+ * _after_receive's.
+ *
+ * Every call into Python here can drop what this function is using: a receive that closes the
+ * connection resets _conn and _receive, a write that fails makes the transport drop _write. So each
+ * object is held for as long as it is used, and the protocol itself (self) for the whole call. */
 static PyObject *
 ProtoCore_data_received(ProtoCore *self, PyObject *data)
 {
+    PyObject *reply, *result = NULL;
     ConnCore *fast = self->fast;
-    PyObject *reply;
-    if (fast != NULL)
+    Py_INCREF(self);
+    if (fast != NULL) {
+        Py_INCREF(fast);
         reply = fast->receive(fast, data);
-    else if (self->receive != NULL)
-        reply = PyObject_CallOneArg(self->receive, data);
-    else
+    } else if (self->receive != NULL) {
+        PyObject *receive = Py_NewRef(self->receive);
+        reply = PyObject_CallOneArg(receive, data);
+        Py_DECREF(receive);
+    } else {
+        Py_DECREF(self);
         Py_RETURN_NONE; /* not connected (yet, or any more) */
+    }
     if (reply == NULL)
-        return NULL;
+        goto done;
     if (!PyBytes_Check(reply) || PyBytes_GET_SIZE(reply) != 0) {
         if (self->write == NULL) {
             Py_DECREF(reply);
-            Py_RETURN_NONE;
+            result = Py_NewRef(Py_None);
+            goto done;
         }
-        PyObject *r = PyObject_CallOneArg(self->write, reply);
+        PyObject *write = Py_NewRef(self->write);
+        PyObject *r = PyObject_CallOneArg(write, reply);
+        Py_DECREF(write);
         Py_DECREF(reply);
         if (r == NULL)
-            return NULL;
+            goto done;
         Py_DECREF(r);
     } else {
         Py_DECREF(reply);
     }
-    if (fast != NULL && !fast->closing && fast->wait == 0.0)
-        Py_RETURN_NONE;
-    return PyObject_CallMethodNoArgs((PyObject *)self, str_after_receive);
+    if (fast != NULL && !fast->closing && fast->wait == 0.0 && !fast->backlog)
+        result = Py_NewRef(Py_None);
+    else
+        result = PyObject_CallMethodNoArgs((PyObject *)self, str_after_receive);
+done:
+    Py_XDECREF(fast);
+    Py_DECREF(self);
+    return result;
 }
 
-/* _use(conn): from now on hand every read to conn.receive; directly in C when conn is a compiled core. */
+/* _use(conn): from now on hand every read to conn.receive; directly in C when conn is a compiled core.
+ * Everything is looked up first (lookups may run Python code), then the three slots are set. */
 static PyObject *
 ProtoCore_use(ProtoCore *self, PyObject *conn)
 {
     PyObject *receive = PyObject_GetAttrString(conn, "receive");
     if (receive == NULL)
         return NULL;
-    Py_INCREF(conn);
-    Py_XSETREF(self->conn, conn);
-    Py_XSETREF(self->receive, receive);
     ConnCore *fast = NULL;
     if (PyObject_TypeCheck(conn, TextCore_Type) || PyObject_TypeCheck(conn, BinaryCore_Type)) {
         PyObject *meth = PyObject_GetAttrString((PyObject *)Py_TYPE(conn), "receive");
-        if (meth == NULL)
+        if (meth == NULL) {
+            Py_DECREF(receive);
             return NULL;
+        }
         /* Only when the class's receive is the compiled one (a method descriptor of the core). */
         if (Py_IS_TYPE(meth, &PyMethodDescr_Type))
             fast = (ConnCore *)conn;
         Py_DECREF(meth);
     }
+    Py_INCREF(conn);
     Py_XINCREF(fast);
-    Py_XSETREF(self->fast, fast);
+    PyObject *old_conn = self->conn, *old_receive = self->receive;
+    ConnCore *old_fast = self->fast;
+    self->conn = conn;
+    self->receive = receive;
+    self->fast = fast;
+    Py_XDECREF(old_conn);
+    Py_XDECREF(old_receive);
+    Py_XDECREF(old_fast);
     Py_RETURN_NONE;
 }
 
@@ -1151,7 +1264,9 @@ sock_fatal(SockCore *self, int err)
     return r;
 }
 
-/* _readable(): the loop's reader callback. */
+/* _readable(): the loop's reader callback. The protocol's data_received may close the connection,
+ * which drops _data_received (and with it perhaps the last reference to the protocol): it is held
+ * for the call, and so is this transport. */
 static PyObject *
 SockCore_readable(SockCore *self, PyObject *unused)
 {
@@ -1161,19 +1276,27 @@ SockCore_readable(SockCore *self, PyObject *unused)
     do {
         n = recv(self->fd, sock_read_buffer, SOCK_READ_SIZE, 0);
     } while (n < 0 && errno == EINTR);
+    PyObject *r;
+    Py_INCREF(self);
     if (n > 0) {
         PyObject *data = PyBytes_FromStringAndSize(sock_read_buffer, n);
-        if (data == NULL)
+        if (data == NULL) {
+            Py_DECREF(self);
             return NULL;
-        PyObject *r = PyObject_CallOneArg(self->data_received, data);
+        }
+        PyObject *callback = Py_NewRef(self->data_received);
+        r = PyObject_CallOneArg(callback, data);
+        Py_DECREF(callback);
         Py_DECREF(data);
-        return r;
+    } else if (n == 0) {
+        r = PyObject_CallMethodNoArgs((PyObject *)self, str_eof_received);
+    } else if (errno == EAGAIN || errno == EWOULDBLOCK) {
+        r = Py_NewRef(Py_None);
+    } else {
+        r = sock_fatal(self, errno);
     }
-    if (n == 0)
-        return PyObject_CallMethodNoArgs((PyObject *)self, str_eof_received);
-    if (errno == EAGAIN || errno == EWOULDBLOCK)
-        Py_RETURN_NONE;
-    return sock_fatal(self, errno);
+    Py_DECREF(self);
+    return r;
 }
 
 /* write(data): send at once when nothing is queued; what the kernel does not take goes to the queue. */
@@ -1314,6 +1437,10 @@ speedups_exec(PyObject *m)
     if (sock == NULL || PyModule_AddType(m, sock) < 0)
         return -1;
     Py_DECREF(sock);
+    if (PyModule_AddIntConstant(m, "MAX_KEY", MAX_KEY) < 0 || PyModule_AddIntConstant(m, "GET_BATCH", MAX_FAST_KEYS) < 0 ||
+        PyModule_AddIntConstant(m, "REPLY_BUDGET", REPLY_BUDGET) < 0 ||
+        PyModule_AddIntConstant(m, "MAX_BODY", BIN_MAX_BODY) < 0)
+        return -1;
     return 0;
 }
 

@@ -26,6 +26,9 @@ from .worker_ids import METHODS, WorkerIdError, derive
 DEFAULT_PORT = 11212
 DEFAULT_IDLE_TIMEOUT = 600.0
 DEFAULT_MAX_CONNECTIONS = 4096
+#: Bytes of a connection's requests read (and held unanswered) while its client is behind with
+#: reading the replies; see daemon/connection.py.
+DEFAULT_READ_AHEAD = 1024 * 1024
 
 LOG_LEVELS = {
     "debug": "DEBUG",
@@ -120,6 +123,7 @@ class ServerConfig:
     sock_mode: int | None = None
     idle_timeout: float = DEFAULT_IDLE_TIMEOUT  # 0 = never
     max_connections: int = DEFAULT_MAX_CONNECTIONS
+    read_ahead: int = DEFAULT_READ_AHEAD  # bytes held unanswered while a client does not read its replies
     log_level: str = "INFO"
     log_format: str = "text"
     state_file: str | None = None  # --state-file: one file, for a static worker id
@@ -225,6 +229,13 @@ def build_parser(
         metavar="N",
         help=f"refuse connections beyond this many (default {DEFAULT_MAX_CONNECTIONS})",
     )
+    _flag(
+        parser,
+        "read-ahead",
+        metavar="BYTES",
+        help="per connection, how much of its requests to read and hold while the client does not read its"
+        " replies, before reading stops; 1048576, 1024k, 1m (default 1m)",
+    )
     _flag(parser, "log-level", metavar="LEVEL", help="debug, info, warn, error (default info; env LOG_LEVEL)")
     _flag(parser, "log-format", metavar="FORMAT", choices=["text", "json"], help="text or json (default text)")
     _flag(
@@ -325,6 +336,18 @@ def _env(environ: Mapping[str, str], name: str) -> str | None:
         if value:
             return value
     return None
+
+
+_SIZE = re.compile(r"(\d+)\s*(|b|k|kb|kib|m|mb|mib|g|gb|gib)", re.IGNORECASE)
+
+
+def parse_size(text: str, name: str) -> int:
+    """Bytes from ``1048576``, ``1024k``, ``1m``, ``1MiB`` (k, m and g are powers of 1024)."""
+    match = _SIZE.fullmatch(text.strip())
+    if match is None:
+        raise ConfigError(f"invalid {name} {text!r}: use bytes such as 1048576, 1024k or 1m")
+    unit = match.group(2).lower()[:1]
+    return int(match.group(1)) * {"": 1, "b": 1, "k": 1024, "m": 1024**2, "g": 1024**3}[unit]
 
 
 def _int(value: object, name: str, low: int, high: int | None = None) -> int:
@@ -490,6 +513,7 @@ def parse_server_config(
     if level_name not in LOG_LEVELS:
         raise ConfigError(f"invalid log level {level_name!r}: use debug, info, warn, error")
     max_conn = _int(given.get("max_connections", DEFAULT_MAX_CONNECTIONS), "max connections", 1)
+    read_ahead = parse_size(str(given.get("read_ahead", DEFAULT_READ_AHEAD)), "read ahead")
     # As in go-katsubushi, port 0 (the default) means "no such listener".
     http_port = _int(given.get("http_port", 0), "http port", 0, 65535) or None
     grpc_port = _int(given.get("grpc_port", 0), "grpc port", 0, 65535) or None
@@ -508,6 +532,7 @@ def parse_server_config(
         sock_mode=sock_mode,
         idle_timeout=idle,
         max_connections=max_conn,
+        read_ahead=read_ahead,
         log_level=LOG_LEVELS[level_name],
         log_format=str(given.get("log_format", "text")),
         state_file=state_file,

@@ -5,7 +5,7 @@ Run as a subprocess by tests/test_speedups.py, once with the compiled hot path a
 only when the script says, so both runs see exactly the same time whatever they do with it.
 Input (stdin): a JSON list of conversations, each ``{"protocol", "sequence_bits", "steps": [[hex,
 advance_ns, step_back_ms], ...]}``. Output (stdout): JSON with the implementation and, per step, the
-reply (hex), ``closing``, ``activity`` and the counters.
+reply (hex), ``closing``, ``activity``, the parser's state, what it holds (hex) and the counters.
 """
 
 from __future__ import annotations
@@ -54,13 +54,14 @@ def play(conversation: dict) -> list[object]:
             clock.wall -= step_back_ms * 1_000_000
             generator.reanchor()
         reply = conn.receive(bytes.fromhex(chunk))
-        while conn.wait:  # a command waits for the clock: let exactly that much time pass
-            wait_ns = int(conn.wait * 1e9) + 1
-            clock.wall += wait_ns
-            clock.mono += wait_ns
-            reply += conn.resume()
+        while (conn.wait or conn.backlog) and not conn.closing:
+            if conn.wait:  # a command waits for the clock: let exactly that much time pass
+                wait_ns = int(conn.wait * 1e9) + 1
+                clock.wall += wait_ns
+                clock.mono += wait_ns
+            reply += conn.resume()  # (or the reply reached its budget and was written: carry on)
         counters = [(c.protocol, c.commands, c.ids, sorted(c.failures.items())) for c in issuer.all_counters()]
-        out.append([reply.hex(), bool(conn.closing), conn.activity, counters])
+        out.append([reply.hex(), bool(conn.closing), conn.activity, conn._state, conn._buffer.hex(), counters])
         if conn.closing:
             break
     return out

@@ -43,6 +43,7 @@ from conftest import FAKE_START_MS, FakeClock, decode
 
 from katsubushi_py.daemon.stats import Stats
 from katsubushi_py.frontends.binary import MAX_BODY, BinaryConnection
+from katsubushi_py.frontends.fastpath import REPLY_BUDGET
 from katsubushi_py.frontends.text import TextConnection
 from katsubushi_py.ids.layout import Layout
 from katsubushi_py.issuing.generator import Generator
@@ -134,9 +135,12 @@ def test_stat_groups(conn: BinaryConnection) -> None:
         (b"epoch_ms", b"1420070400000"),
         (b"", b""),
     ]
-    for group in (b"items", b"malloc", b"slabs"):
+    for group in (b"items", b"slabs", b"sizes", b"conns"):
         [terminator] = parse_all(conn.receive(request(STAT, group, opaque=6)))
         assert (terminator.opcode, terminator.status, terminator.opaque, terminator.key) == (STAT, SUCCESS, 6, b"")
+    for group in (b"malloc", b"nosuchgroup", b"reset"):  # as memcached answers a group it does not have
+        [missing] = parse_all(conn.receive(request(STAT, group, opaque=7)))
+        assert (missing.opcode, missing.status, missing.opaque, missing.value) == (STAT, 0x0001, 7, b"Not found")
 
 
 def test_quit_answers_then_closes_and_drops_what_follows(conn: BinaryConnection) -> None:
@@ -320,3 +324,59 @@ def test_ids_of_other_lengths_are_framed_by_their_length(clock: FakeClock) -> No
     assert all(len(str(i)) < 19 for i in ids) and ids == sorted(ids)
     assert [(p.opaque, p.key) for p in run] == [(2, b"a"), (3, b""), (0, b"")]
     assert [layout.decompose(i).worker_id for i in ids] == [3, 3, 3]
+
+
+def test_a_storage_request_of_any_size_is_answered_and_its_body_discarded_as_it_arrives(
+    conn: BinaryConnection,
+) -> None:
+    """memcached reads and discards the value of a SET it refuses; so do we, holding none of it."""
+    value = b"v" * 1_000_000
+    stream = request(SET, b"key", opaque=5, extras=b"\0" * 8, value=value) + request(GETK, b"after", opaque=6)
+    replies = [conn.receive(stream[:30])]  # the header and a little of the body: answered now
+    assert parse_all(replies[0])[0].status == NOT_SUPPORTED
+    for i in range(30, len(stream), 65536):
+        replies.append(conn.receive(stream[i : i + 65536]))
+        assert len(conn._buffer) < 100  # nothing of the value is held
+    packets = parse_all(b"".join(replies))
+    assert [(p.opcode, p.status, p.opaque) for p in packets] == [(SET, NOT_SUPPORTED, 5), (GETK, SUCCESS, 6)]
+    assert packets[1].key == b"after" and id_of(packets[1]) and not conn.closing
+
+
+def test_a_value_over_memcacheds_limit_is_invalid_arguments_and_closes(conn: BinaryConnection) -> None:
+    header = HEADER.pack(0x80, SET, 3, 8, 0, 0, 3 + 8 + 2**31 - 2, 0xAB, 0)
+    [packet] = parse_all(conn.receive(header + b"\0" * 8 + b"key"))
+    assert (packet.opcode, packet.status, packet.opaque) == (SET, INVALID_ARGUMENTS, 0xAB)
+    assert conn.closing and conn._buffer == b""
+
+
+def test_stat_replies_are_made_a_budget_at_a_time(conn: BinaryConnection) -> None:
+    """A STAT of 24 bytes answers more than a kilobyte: one read of 1,000 of them stops once its reply
+    reaches the budget, holds the rest, and resume carries on (gets are never cut short: their replies
+    are never more than twice their requests)."""
+    reply = conn.receive(request(STAT, opaque=1) * 1000 + request(NOOP, opaque=2))
+    sizes = [len(reply)]
+    while conn.backlog:
+        part = conn.resume()
+        sizes.append(len(part))
+        reply += part
+    packets = parse_all(reply)
+    assert sum(1 for p in packets if p.opcode == STAT and not p.key) == 1000 and packets[-1].opcode == NOOP
+    assert len(sizes) > 5 and max(sizes) < REPLY_BUDGET + 4096
+
+
+def test_a_quiet_multi_get_of_100000_keys_streams(clock: FakeClock) -> None:
+    conn = BinaryConnection(make_issuer(Generator(9, clock=clock)))
+    stream = b"".join(request(GETKQ, b"key-%06d" % i, opaque=i) for i in range(100_000)) + request(NOOP, opaque=7)
+    reply = b""
+    held = 0
+    for i in range(0, len(stream), 262_144):  # as the socket transport reads
+        reply += conn.receive(stream[i : i + 262_144])
+        while conn.backlog:
+            reply += conn.resume()
+        held = max(held, len(conn._buffer))
+    packets = parse_all(reply)
+    assert len(packets) == 100_001 and packets[-1].opcode == NOOP
+    ids = [id_of(p) for p in packets[:-1]]
+    assert len(set(ids)) == 100_000 and ids == sorted(ids)
+    assert [p.opaque for p in packets[:-1]] == list(range(100_000))
+    assert held < 24 + 250  # at most one incomplete request between reads

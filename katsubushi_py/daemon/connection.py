@@ -5,6 +5,20 @@ flow control (stop reading from a client that does not read its replies), the id
 connection limit, and waiting for the clock without blocking anyone else (the protocol says how long
 a command must wait; reading pauses meanwhile, so replies stay in order and memory bounded).
 
+Flow control, for a client that sends faster than it reads its replies:
+
+- The protocol stops taking commands once one read's reply has reached its budget, holding the rest
+  of that read (``backlog``); this class writes the reply and calls ``resume`` for more, so one read
+  that asks for a great deal (a get of thousands of keys) is answered a piece at a time.
+- When the transport cannot send the replies as fast (``pause_writing``: unsent replies above its
+  high-water mark), the memcached protocols take no more commands (``backlog`` is set for them) and
+  what arrives is held unanswered, up to ``--read-ahead`` bytes, and then reading stops; on
+  ``resume_writing`` the held commands are answered, again a piece at a time. Reading ahead lets a
+  client that writes a whole large request before it reads anything (what most memcached clients do
+  with a multi-get) finish writing it even over a unix socket, whose buffers are small; memory stays
+  bounded by the read-ahead limit plus one read, the transport's high-water mark plus one reply.
+  Other protocols (HTTP) stop reading at once.
+
 On a memcached listener the first byte a client sends picks the protocol for the rest of the
 connection, as in memcached and go-katsubushi: ``0x80`` (the binary request magic) the binary
 protocol, anything else the text one. That choice is made once: the first ``data_received`` rebinds
@@ -37,6 +51,7 @@ class SansIOConnection(Protocol):
 
     closing: bool
     wait: float
+    backlog: bool
     activity: int
 
     def receive(self, data: bytes) -> bytes: ...
@@ -49,6 +64,7 @@ class _Closed:
 
     closing = True
     wait = 0.0
+    backlog = False
     activity = 0
 
     @staticmethod
@@ -59,6 +75,9 @@ class _Closed:
 
 
 _CLOSED = _Closed()
+
+# The protocols that hold input while their client is behind with its replies (see pause_writing).
+_HOLDS_INPUT = (TextConnection, BinaryConnection)
 
 
 class PyProtocolCore:
@@ -149,19 +168,35 @@ class ConnectionHandler(ProtocolCore, asyncio.Protocol):
         if reply:
             self._write(reply)
         conn = self._conn
-        if conn.closing or conn.wait:
+        if conn.closing or conn.wait or conn.backlog:
             self._after_receive()
 
     if not COMPILED:  # else the compiled ProtocolCore's data_received: the same steps in C
         data_received = _data_received
 
     def _after_receive(self) -> None:
-        """After a read whose reply asks for more than a write: close, or wait for the clock."""
+        """After a read (or a resume) whose reply asks for more than a write: answer what the protocol
+        held back, as far as the client takes the replies; close; or wait for the clock. Reading goes
+        on unless one of these holds it, or the input held is over ``--read-ahead``."""
         conn = self._conn
+        transport = self._transport
+        while conn.backlog and not (conn.closing or conn.wait or self._write_paused):
+            reply = conn.resume()
+            if reply:
+                self._write(reply)
         if conn.closing:
-            self._transport.close()  # type: ignore[union-attr]
+            transport.close()  # type: ignore[union-attr]
         elif conn.wait:
             self._wait_for_clock(conn.wait)
+        elif conn.backlog:  # the client is behind with its replies: read ahead, up to the limit
+            if len(conn._buffer) >= self._daemon.config.read_ahead or self._eof:  # type: ignore[attr-defined]
+                transport.pause_reading()  # type: ignore[union-attr]
+            else:
+                transport.resume_reading()  # type: ignore[union-attr]
+        elif self._eof:
+            transport.close()  # type: ignore[union-attr]  # everything the client sent is answered
+        elif not self._write_paused and self._wait_handle is None:
+            transport.resume_reading()  # type: ignore[union-attr]
 
     def _wait_for_clock(self, seconds: float) -> None:
         """A command waits for the clock: read nothing more until it is answered."""
@@ -171,19 +206,17 @@ class ConnectionHandler(ProtocolCore, asyncio.Protocol):
 
     def _resume(self) -> None:
         self._wait_handle = None
-        conn = self._conn
         transport = self._transport
         if transport is None or transport.is_closing():
             return
-        reply = conn.resume()
-        if reply:
-            self._write(reply)
-        if conn.closing or (self._eof and not conn.wait):
-            transport.close()
-        elif conn.wait:
-            self._wait_for_clock(conn.wait)
-        elif not self._write_paused:
-            transport.resume_reading()
+        conn = self._conn
+        if self._write_paused and isinstance(conn, _HOLDS_INPUT):
+            conn.wait = 0.0  # what waited is answered once the client takes its replies
+        else:
+            reply = conn.resume()
+            if reply:
+                self._write(reply)
+        self._after_receive()
 
     def _check_idle(self) -> None:
         """Runs once per idle-timeout period, not per request: close only if no command completed
@@ -201,21 +234,37 @@ class ConnectionHandler(ProtocolCore, asyncio.Protocol):
         self._idle_handle = self._daemon.loop.call_later(self._daemon.config.idle_timeout, self._check_idle)
 
     def pause_writing(self) -> None:
-        # The client is not reading its replies: stop reading its requests until it catches up.
+        # The client is not reading its replies: answer nothing more until it catches up. A
+        # memcached connection holds what arrives meanwhile (reading ahead, see _after_receive);
+        # any other stops reading.
         self._write_paused = True
-        if self._transport is not None:
-            self._transport.pause_reading()
+        transport = self._transport
+        if transport is None or transport.is_closing():
+            return
+        conn = self._conn
+        if isinstance(conn, _HOLDS_INPUT):
+            conn.backlog = True
+            if len(conn._buffer) >= self._daemon.config.read_ahead:
+                transport.pause_reading()
+        else:
+            transport.pause_reading()
 
     def resume_writing(self) -> None:
         self._write_paused = False
-        if self._transport is not None and not self._transport.is_closing() and self._wait_handle is None:
-            self._transport.resume_reading()
+        transport = self._transport
+        if transport is None or transport.is_closing() or self._wait_handle is not None:
+            return
+        if self._conn.backlog:
+            self._after_receive()  # the rest of what was read, as far as the client takes it
+        else:
+            transport.resume_reading()
 
     def eof_received(self) -> bool:
         # Close our side too once everything already answered is written. A command still waiting
-        # for the clock keeps the connection half-open until it is answered.
+        # for the clock, or input held back while the client takes its replies, keeps the connection
+        # half-open until it is answered.
         self._eof = True
-        return self._wait_handle is not None
+        return self._wait_handle is not None or self._conn.backlog
 
     def connection_lost(self, exc: Exception | None) -> None:
         if self._idle_handle is not None:
@@ -239,9 +288,19 @@ class ConnectionHandler(ProtocolCore, asyncio.Protocol):
                 transport.write(farewell)
 
     def close(self) -> None:
-        if self._transport is not None:
-            self._say_goodbye()
-            self._transport.close()
+        """Close once everything already received is answered and written (the daemon's stop, whose
+        grace period aborts what is still open): at once, unless the protocol holds input back while
+        the client takes its replies; then it reads nothing more and closes when that is answered."""
+        transport = self._transport
+        if transport is None:
+            return
+        conn = self._conn
+        if isinstance(conn, _HOLDS_INPUT) and conn.backlog and not (conn.closing or conn.wait):
+            self._eof = True  # as if the input had ended: _after_receive closes once the rest is answered
+            transport.pause_reading()
+            return
+        self._say_goodbye()
+        transport.close()
 
     def abort(self) -> None:
         if self._transport is not None:

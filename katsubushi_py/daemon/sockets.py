@@ -18,7 +18,9 @@ Its read and write are :class:`PySocketCore` (the reference, here) or ``_speedup
 so the pure-Python daemon keeps them. HTTP always uses the loop's streams.
 
 Worst-case memory: one 256 KiB read buffer per process, plus per connection the replies the client
-has not read, bounded by the write high-water mark (reading stops above it) plus one reply.
+has not read, bounded by the write high-water mark (above it the protocol takes no more commands) plus
+one reply, and what the connection glue reads ahead meanwhile (``--read-ahead``; see
+:mod:`~katsubushi_py.daemon.connection`).
 """
 
 from __future__ import annotations

@@ -107,6 +107,7 @@ def settings_fields(config: ServerConfig, state_path: str | None = None) -> list
         ("state_dir", config.state_dir or "NULL"),
         ("max_clock_wait", config.max_clock_wait),
         ("gets_cas", "yes" if config.gets_cas else "no"),
+        ("read_ahead", config.read_ahead),
         ("event_loop", config.loop),
         ("log_level", config.log_level.lower()),
         ("worker_id_lease", "redis" if config.lease is not None else "no"),

@@ -13,8 +13,10 @@ What it answers (go-katsubushi's shapes where it has them, memcached's everywher
   work.
 - NOOP ``0x0a``, VERSION ``0x0b``, QUIT ``0x07`` (answered, then closed), QUITQ ``0x17`` (closed).
 - STAT ``0x10``: with no key, one packet per field of the text ``STATS`` in the same order; with the
-  key ``settings``, the text ``stats settings`` fields; with any other key, nothing (an empty group, as
-  the text front end answers). Always followed by an empty terminator packet.
+  key ``settings``, the text ``stats settings`` fields; with memcached's ``items``, ``slabs``,
+  ``sizes`` or ``conns``, nothing (an empty group, as the text front end answers); each followed by an
+  empty terminator packet. Any other key: status ``0x0001`` (not found), as memcached answers a group
+  it does not have.
 - The opaque is echoed on every response, errors included, and the opcode is the request's.
 - Storage, deletion, arithmetic, flush, touch and verbosity opcodes: status ``0x0083`` (not
   supported) with a short message; any other opcode: ``0x0081`` (unknown command). The connection
@@ -22,19 +24,25 @@ What it answers (go-katsubushi's shapes where it has them, memcached's everywher
 - No ID can be issued: status ``0x0086`` (temporary failure: clock behind, lease not confirmed, state
   file, shutting down) or ``0x0084`` (internal error, layout exhausted), the reason as the body, for
   that request only.
-- A key over 250 bytes, a body over :data:`MAX_BODY`, or key and extras longer than the body: status
-  ``0x0004`` (invalid arguments), then the connection is closed, as memcached does, without reading
-  or allocating the body. A magic other than ``0x80`` closes the connection.
+- A key over 250 bytes, or key and extras longer than the body: status ``0x0004`` (invalid
+  arguments), then the connection is closed, as memcached does, without reading or allocating the
+  body; the same for a body over :data:`MAX_BODY` where the opcode takes none that long (the gets,
+  NOOP, VERSION, STAT, QUIT), and for a value over 2**31 - 3 bytes (memcached's limit). A storage or
+  unknown opcode with a body over :data:`MAX_BODY` is answered as soon as its header is in, and its
+  body discarded as it arrives, never held (memcached reads and discards such a body too). A magic
+  other than ``0x80`` closes the connection.
 
 When the clock is a little behind, the request that needs an ID is not answered yet: ``wait`` says
 for how long, the rest of the input is kept in order, and :meth:`BinaryConnection.resume` carries on
 from that request, exactly as in the text front end.
 
-Buffer cost: between calls at most one incomplete request is held, under ``24 + MAX_BODY`` bytes
-(about 4 KiB), plus the bytes of the current call; while a request waits for the clock, also what
-arrived after it in the same read (the server stops reading meanwhile). Replies are built from what
-one read holds: a GET of 24 + k bytes answers 47 + k bytes or so (the key echoed only by GETK and
-GETKQ), a STAT of 24 bytes about 1.5 KiB.
+Memory: between calls at most one incomplete request is held, under ``24 + MAX_BODY`` bytes (about
+4 KiB). A call stops before a request other than a get once its reply has reached
+:data:`~.fastpath.REPLY_BUDGET` and holds the rest (``backlog``) until :meth:`BinaryConnection.resume`,
+as the text front end does; gets are not stopped for it, as their replies are never more than
+twice their requests (a GET of 24 + k bytes answers 47 + k bytes or so, the key echoed only by GETK
+and GETKQ), while a STAT of 24 bytes answers about 1.5 KiB. While a request waits for the clock the
+rest of its read is held too, and the server reads nothing more meanwhile.
 """
 
 from __future__ import annotations
@@ -44,17 +52,22 @@ from collections.abc import Callable
 
 from ..issuing.errors import ClockWait
 from ..issuing.issuer import Issuer
-from .fastpath import COMPILED, BinaryCore
+from .fastpath import COMPILED, MAX_KEY, REPLY_BUDGET, BinaryCore
 
 HEADER = 24
 REQUEST_MAGIC = 0x80
 RESPONSE_MAGIC = 0x81
 
-#: memcached's key limit.
-MAX_KEY = 250
-#: No request we serve needs more than a key; a few KiB leave room for small SETs to be answered
-#: "not supported" rather than cut off.
+#: No request we serve needs more than a key: the body of any other is held only up to this size
+#: (larger ones are discarded unread, or refused, see the module's docstring).
 MAX_BODY = 4096
+
+#: memcached refuses a value longer than this (INT_MAX - 2) as invalid arguments.
+MAX_VALUE = 2**31 - 3
+
+# Parser states (``_state``): at a request's start, or discarding ``_skip`` more bytes of a body.
+AT_REQUEST = 0
+SKIP_BODY = 1
 
 # Opcodes
 GET, SET, ADD, REPLACE, DELETE, INCREMENT, DECREMENT, QUIT = range(8)
@@ -65,6 +78,7 @@ GATK, GATKQ = 0x23, 0x24
 
 # Statuses
 SUCCESS = 0x0000
+KEY_NOT_FOUND = 0x0001
 INVALID_ARGUMENTS = 0x0004
 UNKNOWN_COMMAND = 0x0081
 NOT_SUPPORTED = 0x0083
@@ -100,6 +114,13 @@ UNSUPPORTED = {
 }
 
 _ECHO_KEY = frozenset((GETK, GETKQ))
+
+# memcached's groups of STAT that have nothing to report here (any other group is not found).
+_EMPTY_STATS_GROUPS = frozenset((b"items", b"slabs", b"sizes", b"conns"))
+
+# The opcodes a body of any length is accepted with (answered from the header, the body discarded):
+# all but the ones we serve, which take a key at most.
+_BODY_DISCARDED = frozenset(range(256)) - {GET, GETQ, GETK, GETKQ, NOOP, VERSION, STAT, QUIT, QUITQ}
 
 # Failures that will not pass by themselves; every other reason is temporary.
 _PERMANENT = frozenset(("internal", "layout_exhausted"))
@@ -162,6 +183,7 @@ class BinaryConnection(BinaryCore):
         "_issuer",
         "_next_id",
         "_next_ids",
+        "_skip",
         "_version",
     )
 
@@ -171,9 +193,12 @@ class BinaryConnection(BinaryCore):
         self._next_id = issuer.next_id
         self._next_ids = issuer.next_ids
         self._buffer = b""
+        self._state = AT_REQUEST
+        self._skip = 0  # SKIP_BODY: bytes of the body still to discard
         self._version = issuer.version.encode()
         self.closing = False
         self.wait = 0.0
+        self.backlog = False
         self.activity = 0
         self._fast_init(issuer.generator, self._counters)
 
@@ -183,13 +208,23 @@ class BinaryConnection(BinaryCore):
         This is the whole protocol. The compiled twin's ``receive`` answers what it can of the same
         input exactly as this would (runs of gets and NOOPs), and hands this method the rest."""
         if self._buffer:
-            if self.wait:  # a request is waiting for the clock: keep the order, answer nothing yet
-                self._buffer += data
+            if self.wait or self.backlog or self.closing:  # a request waits, or the client is behind
+                if not self.closing:
+                    self._buffer += data  # kept, in order
                 return b""
             data = self._buffer + data
             self._buffer = b""
-        elif self.closing:
+        elif self.closing or self.backlog:  # (backlog: the server holds input while its client is behind)
+            if not self.closing:
+                self._buffer = data
             return b""
+        if self._state:  # SKIP_BODY: the rest of a body answered already
+            if self._skip >= len(data):
+                self._skip -= len(data)
+                return b""
+            data = data[self._skip :]
+            self._skip = 0
+            self._state = AT_REQUEST
         if len(data) >= HEADER:
             magic, opcode, keylen, extlen, _, _, bodylen = _REQUEST.unpack_from(data)
             if (
@@ -197,7 +232,7 @@ class BinaryConnection(BinaryCore):
                 and magic == REQUEST_MAGIC
                 and len(data) == HEADER + bodylen
                 and keylen <= MAX_KEY
-                and keylen + extlen <= bodylen
+                and keylen + extlen <= bodylen <= MAX_BODY
             ):
                 # The usual case: exactly one complete GET.
                 try:
@@ -212,13 +247,15 @@ class BinaryConnection(BinaryCore):
         receive = _receive_slow
 
     def resume(self) -> bytes:
-        """After ``wait`` seconds: answer the waiting request and what came after it."""
+        """After ``wait`` seconds, or once a ``backlog`` reply is written: carry on with the input held."""
         self.wait = 0.0
+        self.backlog = False
         return self.receive(b"") if self._buffer else b""
 
     def _receive_all(self, data: bytes) -> bytes:
         """Every complete request in ``data``, in order; consecutive gets are answered as one run."""
         out: list[bytes] = []
+        spent = self._spent  # reply bytes of this read so far (the compiled core's part, if any)
         pos = 0
         size = len(data)
         handlers = _HANDLERS
@@ -228,13 +265,13 @@ class BinaryConnection(BinaryCore):
         unpack = _REQUEST_OPAQUE.unpack_from
         while size - pos >= HEADER:
             magic, opcode, keylen, extlen, bodylen, opaque = unpack(data, pos)
-            end = pos + HEADER + bodylen
-            if magic != REQUEST_MAGIC or keylen > MAX_KEY or bodylen > MAX_BODY or keylen + extlen > bodylen:
+            if magic != REQUEST_MAGIC or keylen > MAX_KEY or keylen + extlen > bodylen:
                 break  # answered below, after the requests before it
-            if end > size:
-                break
+            end = pos + HEADER + bodylen
             prefixes = prefixes_19.get(opcode)
             if prefixes is not None:
+                if bodylen > MAX_BODY or end > size:
+                    break
                 if not gets:
                     gets_start = pos
                 if opcode in _ECHO_KEY:
@@ -244,15 +281,38 @@ class BinaryConnection(BinaryCore):
                     gets += (prefixes[keylen], opaque, b"", 0)
                 pos = end
                 continue
+            if bodylen > MAX_BODY:
+                if opcode not in _BODY_DISCARDED or bodylen - keylen - extlen > MAX_VALUE:
+                    break  # refused below
+            elif end > size:
+                break
             if gets:
                 try:
-                    out.append(self._answer_gets(gets))
+                    reply = self._answer_gets(gets)
                 except ClockWait as wait:
                     return self._wait(data[gets_start:], wait, b"".join(out))
+                out.append(reply)
+                spent += len(reply)
                 gets = []
+            if spent >= REPLY_BUDGET:  # the rest once this reply is written
+                self._buffer = data[pos:]
+                self.backlog = True
+                return b"".join(out)
             self.activity += 1
+            if bodylen > MAX_BODY:  # answered now; the body is discarded as it arrives
+                reply = handlers[opcode](self, opcode, opaque, b"")
+                out.append(reply)
+                spent += len(reply)
+                if end > size:
+                    self._state = SKIP_BODY
+                    self._skip = end - size
+                    return b"".join(out)
+                pos = end
+                continue
             key_start = pos + HEADER + extlen
-            out.append(handlers[opcode](self, opcode, opaque, data[key_start : key_start + keylen]))
+            reply = handlers[opcode](self, opcode, opaque, data[key_start : key_start + keylen])
+            out.append(reply)
+            spent += len(reply)
             if self.closing:  # QUIT: what came after it is not answered
                 return b"".join(out)
             pos = end
@@ -274,7 +334,11 @@ class BinaryConnection(BinaryCore):
             return b""
         if len(data) - pos >= HEADER:
             _, opcode, keylen, extlen, _, _, bodylen = _REQUEST.unpack_from(data, pos)
-            if keylen > MAX_KEY or bodylen > MAX_BODY or keylen + extlen > bodylen:
+            if (
+                keylen > MAX_KEY
+                or keylen + extlen > bodylen
+                or (bodylen > MAX_BODY and (opcode not in _BODY_DISCARDED or bodylen - keylen - extlen > MAX_VALUE))
+            ):
                 self.closing = True
                 return response(opcode, data[pos + 12 : pos + 16], INVALID_ARGUMENTS, value=b"Invalid arguments")
         self._buffer = data[pos:]
@@ -315,8 +379,9 @@ class BinaryConnection(BinaryCore):
             counters.commands -= count
             raise
         except Exception as exc:
-            # The prefix's second byte is the opcode.
+            # The prefix's second byte is the opcode. Answered, so activity, as a GET alone is.
             replies = [self._failure(p[1], o, exc) for p, o in zip(gets[0::4], gets[1::4], strict=True)]  # type: ignore[index,arg-type]
+            self.activity += count
             return b"".join(replies)
         counters.ids += count
         self.activity += count
@@ -344,8 +409,10 @@ class BinaryConnection(BinaryCore):
             fields = self._issuer.stats_fields()
         elif key == b"settings":
             fields = self._issuer.settings_fields()
-        else:
+        elif key in _EMPTY_STATS_GROUPS:
             fields = []
+        else:
+            return response(opcode, opaque, KEY_NOT_FOUND, value=b"Not found")
         packets = [response(opcode, opaque, key=name.encode(), value=str(value).encode()) for name, value in fields]
         packets.append(response(opcode, opaque))
         return b"".join(packets)

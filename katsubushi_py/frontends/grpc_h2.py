@@ -171,6 +171,10 @@ class GrpcConnection(GrpcCore):
         "_waiting",
     )
 
+    # The connection glue's read-ahead (memcached connections hold input while a client is behind
+    # with its replies) never applies: HTTP/2 has its own flow control, and reading stops instead.
+    backlog = False
+
     def __init__(self, service: GrpcService, fast: bool = True) -> None:
         self._core_init(service.issuer.generator, service.counters)
         self._service = service

@@ -296,6 +296,10 @@ class HttpConnection:
         "wait",
     )
 
+    #: The connection glue's "input held until the reply is written": never here (HTTP bounds its
+    #: pipelining itself, see MAX_PIPELINED).
+    backlog = False
+
     def __init__(self, api: HttpApi) -> None:
         self._api = api
         self._parser = httptools.HttpRequestParser(self)

@@ -30,6 +30,8 @@ class PyGeneratorCore:
         always calls ``self._mono``."""
 
     def _set_bucket(self, base: int, count: int, end_ns: int) -> None:
+        if base < 0 or count < 0 or base + count >= 2**63:  # as the compiled twin, whose IDs are int64
+            raise ValueError("_set_bucket: base and count must be >= 0 and base + count < 2**63")
         self._bucket = iter(range(base, base + count))
         self._bucket_end_ns = end_ns
 
