@@ -1017,7 +1017,33 @@ typedef struct {
     ConnCore *fast;    /* the connection when it is a compiled core and _use() bound it: called directly */
 } ProtoCore;
 
-static PyObject *str_after_receive;
+static PyObject *str_after_receive, *str_closing, *str_wait, *str_backlog;
+
+/* A connection that is not a compiled core (gRPC's, the first-read sniffer's): does its state ask for
+ * nothing after the write (not closing, not waiting, nothing held back)? The pure twin's
+ * ``conn.closing or conn.wait or conn.backlog``, read from the connection bound now (a receive may
+ * have bound another), without a Python frame for the common answer. 1 yes, 0 no, -1 error. */
+static int
+ProtoCore_conn_is_quiet(PyObject *conn)
+{
+    if (conn == NULL)
+        return 0; /* closed meanwhile: let _after_receive decide */
+    PyObject *names[3] = {str_closing, str_wait, str_backlog};
+    Py_INCREF(conn);
+    int quiet = 1;
+    for (int i = 0; i < 3 && quiet == 1; i++) {
+        PyObject *v = PyObject_GetAttr(conn, names[i]);
+        if (v == NULL) {
+            quiet = -1;
+            break;
+        }
+        int t = PyObject_IsTrue(v);
+        Py_DECREF(v);
+        quiet = t < 0 ? -1 : !t;
+    }
+    Py_DECREF(conn);
+    return quiet;
+}
 
 static int
 ProtoCore_traverse(ProtoCore *self, visitproc visit, void *arg)
@@ -1052,7 +1078,7 @@ ProtoCore_dealloc(ProtoCore *self)
 
 /* data_received(data): the reply to what arrived, written at once; anything else a connection may
  * need afterwards (close, wait for the clock, carry on once the reply is written) is the Python
- * _after_receive's.
+ * _after_receive's, called only when the connection's state asks for it (as the pure twin does).
  *
  * Every call into Python here can drop what this function is using: a receive that closes the
  * connection resets _conn and _receive, a write that fails makes the transport drop _write. So each
@@ -1092,7 +1118,14 @@ ProtoCore_data_received(ProtoCore *self, PyObject *data)
     } else {
         Py_DECREF(reply);
     }
-    if (fast != NULL && !fast->closing && fast->wait == 0.0 && !fast->backlog)
+    int quiet;
+    if (fast != NULL)
+        quiet = !fast->closing && fast->wait == 0.0 && !fast->backlog;
+    else
+        quiet = ProtoCore_conn_is_quiet(self->conn);
+    if (quiet < 0)
+        goto done;
+    if (quiet)
         result = Py_NewRef(Py_None);
     else
         result = PyObject_CallMethodNoArgs((PyObject *)self, str_after_receive);
@@ -1422,7 +1455,10 @@ speedups_exec(PyObject *m)
     if (BinaryCore_Type == NULL || PyModule_AddType(m, BinaryCore_Type) < 0)
         return -1;
     str_after_receive = PyUnicode_InternFromString("_after_receive");
-    if (str_after_receive == NULL)
+    str_closing = PyUnicode_InternFromString("closing");
+    str_wait = PyUnicode_InternFromString("wait");
+    str_backlog = PyUnicode_InternFromString("backlog");
+    if (str_after_receive == NULL || str_closing == NULL || str_wait == NULL || str_backlog == NULL)
         return -1;
     PyTypeObject *proto = (PyTypeObject *)PyType_FromModuleAndSpec(m, &ProtoCore_spec, NULL);
     if (proto == NULL || PyModule_AddType(m, proto) < 0)
