@@ -34,6 +34,7 @@ from katsubushi_py.leasing import parse_redis_url
 from katsubushi_py.leasing.keeper import init_pool as keeper_init_pool
 
 
+@pytest.mark.once  # twenty processes starting: the lease keeper's logic, whichever hot path serves
 def test_two_then_twenty_daemons_get_distinct_worker_ids(daemons: DaemonFactory, redis_server: RedisServer) -> None:
     # Twenty Python processes starting at once load a 2-core CI machine for seconds: longer timings
     # than the other tests' so that a renew delayed by that load does not fence a daemon mid-test.
