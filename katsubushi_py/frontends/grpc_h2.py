@@ -171,6 +171,10 @@ class GrpcConnection(GrpcCore):
         "_waiting",
     )
 
+    #: The connection glue's "input held until the reply is written": never here (HTTP/2's windows
+    #: bound it). Without it the glue's after-receive step raised AttributeError on every close.
+    backlog = False
+
     def __init__(self, service: GrpcService, fast: bool = True) -> None:
         self._core_init(service.issuer.generator, service.counters)
         self._service = service
