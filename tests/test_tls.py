@@ -354,3 +354,15 @@ def test_workers_share_tls_listeners_and_reload_together(daemons: DaemonFactory,
         s.sendall(b"get a\r\n")
         assert recv_until(s, b"END\r\n").startswith(b"VALUE a")
     assert workers <= {7, 8}
+
+
+@pytest.mark.parametrize("plain", [False, True])
+def test_the_health_command_checks_a_tls_daemon(daemons: DaemonFactory, certs: Certs, plain: bool) -> None:
+    """``katsubushi-py health`` with the daemon's own flags: over TLS, or on --plain-port when it has one."""
+    extra = ["--plain-port", str(free_port())] if plain else []
+    d = daemons.start(*tls_args(certs, *extra))
+    argv = [*DAEMON_CMD, "health", "--port", str(d.port), *tls_args(certs, *extra)]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=30, env=daemon_env())
+    assert done.returncode == 0, done.stderr
+    where = f"127.0.0.1:{extra[1]}" if plain else f"127.0.0.1:{d.port}"
+    assert done.stdout.startswith(f"katsubushi-py health: ok: {where} issued ")
