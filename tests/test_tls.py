@@ -366,3 +366,33 @@ def test_the_health_command_checks_a_tls_daemon(daemons: DaemonFactory, certs: C
     assert done.returncode == 0, done.stderr
     where = f"127.0.0.1:{extra[1]}" if plain else f"127.0.0.1:{d.port}"
     assert done.stdout.startswith(f"katsubushi-py health: ok: {where} issued ")
+
+
+@pytest.mark.once
+def test_socket_activation_serves_tls_on_inherited_tcp_and_plain_on_the_unix_socket(
+    certs: Certs, short_tmp: Path
+) -> None:
+    tool = shutil.which("systemd-socket-activate")
+    if tool is None:
+        pytest.skip("systemd-socket-activate is not installed (Debian package systemd)")
+    port = free_port()
+    path = str(short_tmp / "activated.sock")
+    argv = [tool, "-l", f"127.0.0.1:{port}", "-l", path, "-E", f"STATE_DIRECTORY={short_tmp / 'state'}"]
+    argv += [*DAEMON_CMD, "--worker-id", "12", *tls_args(certs)]
+    proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 10
+        while not os.path.exists(path) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        raw = socket.create_connection(("127.0.0.1", port), timeout=10)  # starts the daemon
+        with client_context(certs).wrap_socket(raw, server_hostname="localhost") as tls:
+            tls.sendall(b"get a\r\n")
+            assert recv_until(tls, b"END\r\n").startswith(b"VALUE a 0 ")
+        with socket.socket(socket.AF_UNIX) as unix:
+            unix.settimeout(10)
+            unix.connect(path)
+            unix.sendall(b"get b\r\n")
+            assert recv_until(unix, b"END\r\n").startswith(b"VALUE b 0 ")
+    finally:
+        proc.terminate()
+        proc.wait(10)
