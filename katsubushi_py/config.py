@@ -18,7 +18,7 @@ import socket
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-# (ssl only: daemon/tls.py imports nothing of the daemon at module level)
+# (daemon/tls.py imports only ssl and the standard library: no import circle)
 from .daemon.tls import MIN_VERSIONS, VERIFY_MODES, TlsConfig, TlsError, build_contexts
 from .ids.layout import DEFAULT_LAYOUT, KATSUBUSHI_EPOCH_MS, Layout, LayoutError
 from .ids.tools import ToolError, parse_epoch

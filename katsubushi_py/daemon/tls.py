@@ -218,9 +218,3 @@ class TlsServer:
     def server_options(self, kind: str) -> dict[str, Any]:
         """``loop.create_server``'s TLS arguments for a listener of ``kind``."""
         return {"ssl": self.listening[kind], "ssl_handshake_timeout": self.handshake_timeout}
-
-
-def peer_certificate(transport: Any) -> dict[str, Any] | None:
-    """The client's verified certificate on a TLS connection (mutual TLS), else None."""
-    obj = transport.get_extra_info("ssl_object") if transport is not None else None
-    return obj.getpeercert() if obj is not None else None
