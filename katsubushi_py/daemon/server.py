@@ -286,10 +286,10 @@ class Daemon:
             except TlsError as exc:
                 raise StartupError(str(exc)) from None
             self.reloaders.append(self.tls.reload)
-            self.stats.extra = _chain(self.stats.extra, self.tls.stat_fields)
+            self.issuer.stats_fields = _chain(self.issuer.stats_fields, self.tls.stat_fields)
         if config.request_timeout > 0:
             self.deadlines = RequestDeadlines(self, config.request_timeout)
-            self.stats.extra = _chain(self.stats.extra, self.deadlines.stat_fields)
+            self.issuer.stats_fields = _chain(self.issuer.stats_fields, self.deadlines.stat_fields)
         # Sockets made for us (--workers) or passed by systemd replace the memcached listeners (--port,
         # --sock); HTTP and gRPC bind as usual unless the supervisor made their sockets too.
         if self.listeners is not None:
@@ -405,10 +405,11 @@ class Daemon:
 
 
 def _chain(
-    first: Callable[[], list[tuple[str, object]]] | None, then: Callable[[], list[tuple[str, object]]]
+    first: Callable[[], list[tuple[str, object]]], then: Callable[[], list[tuple[str, object]]]
 ) -> Callable[[], list[tuple[str, object]]]:
-    """STATS' extra fields: ``first``'s (the lease's), then ``then``'s."""
-    return then if first is None else lambda: [*first(), *then()]
+    """STATS' fields: ``first``'s, then ``then``'s (TLS and the request deadline: not ``Stats.extra``,
+    whose presence the metrics read as a lease)."""
+    return lambda: [*first(), *then()]
 
 
 def _lease_failure(keeper: LeaseKeeper, exc: BaseException) -> StartupError:
