@@ -304,7 +304,7 @@ def cmd_serve(argv: Sequence[str]) -> int:
 
 def cmd_health(argv: Sequence[str]) -> int:
     """Fetch one ID from the daemon that the same flags and environment describe; exit 0 or 1."""
-    from .health import HealthError, daemon_arguments, fetch_one_id, read_process, targets
+    from .health import HealthError, daemon_arguments, fetch_one_id, read_process, targets, tls_targets
 
     parser = build_parser(
         prog=f"{PROG} health",
@@ -338,10 +338,10 @@ def cmd_health(argv: Sequence[str]) -> int:
             daemon_args = build_parser().parse_args(daemon_arguments(cmdline, pid))
             settings = merged_settings(daemon_args, environ)
             layout = layout_from_args(daemon_args)
-        found = targets(*listen_settings(settings))
+        found, context = tls_targets(targets(*listen_settings(settings)), settings)
         answers = []
         for target in found:
-            parts = layout.decompose(fetch_one_id(target, timeout))
+            parts = layout.decompose(fetch_one_id(target, timeout, None if target.path else context))
             answers.append(f"{target.display} issued {parts.id} (worker {parts.worker_id})")
     except (ConfigError, HealthError) as exc:
         print(f"{PROG} health: unhealthy: {exc}", file=sys.stderr)

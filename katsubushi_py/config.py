@@ -18,6 +18,8 @@ import socket
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
+# (daemon/tls.py imports only ssl and the standard library: no import circle)
+from .daemon.tls import MIN_VERSIONS, VERIFY_MODES, TlsConfig, TlsError, build_contexts
 from .ids.layout import DEFAULT_LAYOUT, KATSUBUSHI_EPOCH_MS, Layout, LayoutError
 from .ids.tools import ToolError, parse_epoch
 from .leasing import LeaseError, LeaseTimings, RedisTarget, parse_redis_url
@@ -29,6 +31,8 @@ DEFAULT_MAX_CONNECTIONS = 4096
 #: Bytes of a connection's requests read (and held unanswered) while its client is behind with
 #: reading the replies; see daemon/connection.py.
 DEFAULT_READ_AHEAD = 1024 * 1024
+#: How long a request may take to arrive once begun (a TLS handshake, a command line, an HTTP head).
+DEFAULT_REQUEST_TIMEOUT = 5.0
 
 LOG_LEVELS = {
     "debug": "DEBUG",
@@ -138,6 +142,10 @@ class ServerConfig:
     http_port: int | None = None  # None: no HTTP listener (0: any free port)
     grpc_port: int | None = None  # None: no gRPC server (0: any free port)
     workers: int = 1  # processes sharing the listeners, one worker id each (see daemon/workers.py)
+    # TLS and request deadlines (issue 27; see daemon/tls.py and daemon/deadlines.py)
+    tls: TlsConfig | None = None  # None: every listener plain
+    plain_port: int | None = None  # a plain memcached listener on 127.0.0.1 beside the TLS ones
+    request_timeout: float = DEFAULT_REQUEST_TIMEOUT  # a request (TLS handshake, line, HTTP head) must arrive within
 
 
 class _Parser(argparse.ArgumentParser):
@@ -319,6 +327,7 @@ def build_parser(
         help="N processes behind the same listeners, each with its own worker id (consecutive from"
         " --worker-id, or leased); default 1 (env WORKERS)",
     )
+    add_tls_options(parser)
     parser.add_argument(
         "--gets-cas",
         action="store_true",
@@ -328,6 +337,77 @@ def build_parser(
     parser.add_argument("--version", "-version", action="store_true", help="print the version and exit")
     add_layout_options(parser)
     return parser
+
+
+def add_tls_options(parser: argparse.ArgumentParser) -> None:
+    """TLS (memcached's -Z options) and the request deadline (issue 27)."""
+    tls = parser.add_argument_group(
+        "TLS on every TCP listener (memcached, HTTP, gRPC), as memcached's -Z; unix sockets stay plain"
+    )
+    _flag(tls, "tls-cert", metavar="PATH", help="certificate chain (PEM), server certificate first; turns TLS on")
+    _flag(tls, "tls-key", metavar="PATH", help="private key (PEM), unless it is in the --tls-cert file")
+    _flag(tls, "tls-ca", metavar="PATH", help="CA certificates (PEM) whose client certificates are accepted")
+    _flag(
+        tls,
+        "tls-verify",
+        metavar="MODE",
+        choices=list(VERIFY_MODES),
+        help="client certificates: none, request (checked if sent) or require (mutual TLS); default none,"
+        " require when --tls-ca is given",
+    )
+    _flag(tls, "tls-min-version", metavar="VERSION", help="lowest TLS version accepted: 1.2 or 1.3 (default 1.2)")
+    _flag(tls, "tls-ciphers", metavar="LIST", help="OpenSSL cipher list for TLS 1.2 (default OpenSSL's)")
+    _flag(
+        tls,
+        "plain-port",
+        metavar="PORT",
+        help="also serve memcached without TLS on 127.0.0.1:PORT (memcached's notls: listener), e.g. for"
+        " local health checks",
+    )
+    _flag(
+        parser,
+        "request-timeout",
+        metavar="DURATION",
+        help="close a connection whose TLS handshake, command line or HTTP head takes longer than this to"
+        " arrive (default 5s; 0 = never; at most --idle-timeout)",
+    )
+
+
+def tls_settings(given: Mapping[str, object], idle: float) -> tuple[TlsConfig | None, int | None, float]:
+    """(TLS configuration or None, --plain-port or None, request deadline in seconds); the files are
+    loaded once here, so that a missing file, a key that does not match the certificate or an expired
+    certificate is one line and exit status 2 before anything listens."""
+    timeout = parse_duration(str(given.get("request_timeout", DEFAULT_REQUEST_TIMEOUT)), "--request-timeout")
+    if idle > 0 and (timeout == 0 or timeout > idle):
+        timeout = idle  # the idle timeout closes a stalled request anyway
+    cert = str(given.get("tls_cert") or "") or None
+    if cert is None:
+        for name in ("tls_key", "tls_ca", "tls_verify", "tls_min_version", "tls_ciphers", "plain_port"):
+            if name in given:
+                raise ConfigError(f"--{name.replace('_', '-')} needs --tls-cert (TLS is off without it)")
+        return None, None, timeout
+    ca = str(given.get("tls_ca") or "") or None
+    verify = str(given.get("tls_verify") or ("require" if ca else "none"))
+    if verify != "none" and ca is None:
+        raise ConfigError(f"--tls-verify {verify} needs --tls-ca (the CAs whose client certificates to accept)")
+    version = str(given.get("tls_min_version", "1.2")).lower()
+    if version not in MIN_VERSIONS:
+        raise ConfigError(f"invalid --tls-min-version {version!r}: use 1.2 or 1.3")
+    version = "1.3" if MIN_VERSIONS[version].name.endswith("3") else "1.2"
+    config = TlsConfig(
+        cert=cert,
+        key=str(given.get("tls_key") or "") or None,
+        ca=ca,
+        verify=verify,
+        min_version=version,
+        ciphers=str(given.get("tls_ciphers") or "") or None,
+    )
+    try:
+        build_contexts(config)
+    except TlsError as exc:
+        raise ConfigError(str(exc)) from None
+    plain = _int(given["plain_port"], "plain port", 1, 65535) if "plain_port" in given else None
+    return config, plain, timeout
 
 
 def _env(environ: Mapping[str, str], name: str) -> str | None:
@@ -520,6 +600,9 @@ def parse_server_config(
     if grpc_port is not None and not all(importlib.util.find_spec(m) for m in ("grpc", "grpc_reflection", "h2")):
         raise ConfigError(f"--grpc-port needs the grpc extra: {GRPC_INSTALL_HINT}")
     state_file, state_dir, state_source = _state_config(given, lease is not None, environ)
+    tls, plain_port, request_timeout = tls_settings(given, idle)
+    if plain_port is not None and plain_port in (port, http_port, grpc_port):
+        raise ConfigError(f"--plain-port {plain_port} is already the port of another listener")
     if workers > 1 and state_file:
         raise ConfigError("--state-file is one worker id's file: with --workers use --state-dir (a file per worker id)")
 
@@ -547,6 +630,9 @@ def parse_server_config(
         http_port=http_port,
         grpc_port=grpc_port,
         workers=workers,
+        tls=tls,
+        plain_port=plain_port,
+        request_timeout=request_timeout,
     )
     return config, args
 

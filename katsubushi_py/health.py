@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import socket
+import ssl
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -54,8 +55,24 @@ def targets(host: str, port: int | None, sock: str | None) -> list[Target]:
     return found
 
 
-def fetch_one_id(target: Target, timeout: float) -> int:
-    """Send ``GET health`` and return the ID of a well-formed reply; raise HealthError otherwise."""
+def tls_targets(found: list[Target], settings: dict[str, object]) -> tuple[list[Target], ssl.SSLContext | None]:
+    """With TLS on (``--tls-cert``): the TCP target becomes ``--plain-port`` on loopback when there is
+    one, else it is asked over TLS without checking the certificate (it is this host's own daemon,
+    found by its own flags). Mutual TLS (``--tls-verify require``) needs ``--plain-port`` for this."""
+    if not settings.get("tls_cert"):
+        return found, None
+    if settings.get("plain_port"):
+        plain = Target("127.0.0.1", int(str(settings["plain_port"])), None)
+        return [plain if t.path is None else t for t in found], None
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    context.check_hostname = False
+    context.verify_mode = ssl.CERT_NONE
+    return found, context
+
+
+def fetch_one_id(target: Target, timeout: float, context: ssl.SSLContext | None = None) -> int:
+    """Send ``GET health`` and return the ID of a well-formed reply; raise HealthError otherwise.
+    ``context``: over TLS to a TCP target."""
     deadline = time.monotonic() + timeout
     try:
         if target.path is not None:
@@ -69,6 +86,8 @@ def fetch_one_id(target: Target, timeout: float) -> int:
         else:
             assert target.host is not None and target.port is not None
             conn = socket.create_connection((target.host, target.port), timeout=timeout)
+            if context is not None:
+                conn = context.wrap_socket(conn)
         with conn:
             conn.sendall(_REQUEST)
             reply = b""

@@ -14,10 +14,14 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import re
+import shutil
 import socket
+import ssl
 import subprocess
+import tempfile
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -26,6 +30,7 @@ from typing import Any
 import pytest
 from conftest import DAEMON_CMD, daemon_env, free_port, wait_for_port
 from lease_helpers import init_pool, wait_until
+from tls_certs import make_certs
 
 import katsubushi_py
 from katsubushi_py.config import ServerConfig, parse_server_config
@@ -131,13 +136,31 @@ def container_env(container: dict[str, Any]) -> dict[str, str]:
     return env
 
 
+#: Where the manifests mount the TLS Secret; the tests put certificates made by openssl there instead.
+TLS_MOUNT = "/etc/katsubushi-py/tls"
+
+
+@functools.cache
+def tls_files() -> Path:
+    """A directory standing for the TLS Secret's mount: tls.crt, tls.key, ca.crt (tests/tls_certs.py)."""
+    certs = make_certs(Path(tempfile.mkdtemp(prefix="k8s-tls-")))
+    for source, name in ((certs.server.cert, "tls.crt"), (certs.server.key, "tls.key"), (certs.ca.cert, "ca.crt")):
+        shutil.copyfile(source, certs.directory / name)
+    return certs.directory
+
+
+def local_paths(args: list[str]) -> list[str]:
+    """The manifest's arguments with the TLS Secret's mount moved to :func:`tls_files`."""
+    return [a.replace(TLS_MOUNT, str(tls_files())) if a.startswith(TLS_MOUNT) else a for a in args]
+
+
 def daemon_config(workload: dict[str, Any], pod_name: str) -> ServerConfig:
     """What the daemon in this workload's pod ``pod_name`` makes of its command line and environment,
     parsed by the daemon's own parser (``--hostname`` stands for the pod's host name)."""
     container = the_container(workload)
     entrypoint = image_entrypoint()
     assert entrypoint[0] == "katsubushi-py" and "command" not in container, "the image's entrypoint runs"
-    argv = [*entrypoint[1:], *container["args"]]
+    argv = local_paths([*entrypoint[1:], *container["args"]])
     if "--worker-id-from" in argv:
         argv += ["--hostname", pod_name]
     config, _ = parse_server_config(argv, container_env(container))
@@ -180,8 +203,17 @@ def test_the_flags_agree_with_the_manifest(kind: str) -> None:
         assert port_number(container, container[probe]["httpGet"]["port"]) == config.http_port
     assert container["readinessProbe"]["httpGet"]["path"] == "/healthz"
     assert port_number(container, container["startupProbe"]["tcpSocket"]["port"]) == config.port
-    [mount] = container["volumeMounts"]
-    assert config.state_dir == mount["mountPath"] and config.state_file is None
+    mounts = {m["mountPath"]: m for m in container["volumeMounts"]}
+    assert config.state_dir in mounts and config.state_file is None
+    if config.tls is not None:  # the certificate and key are in the Secret's mount, and the probes speak TLS
+        assert mounts[TLS_MOUNT]["readOnly"] is True
+        assert config.tls.cert == f"{tls_files()}/tls.crt" and config.tls.key == f"{tls_files()}/tls.key"
+        for probe in ("readinessProbe", "livenessProbe"):
+            assert container[probe]["httpGet"]["scheme"] == "HTTPS"
+        [volume] = [
+            v for v in workload["spec"]["template"]["spec"]["volumes"] if v["name"] == mounts[TLS_MOUNT]["name"]
+        ]
+        assert volume["secret"]["secretName"] == "katsubushi-tls"
     assert container["image"].endswith(f":{katsubushi_py.__version__}")
 
 
@@ -220,7 +252,7 @@ def test_the_statefulset_keeps_its_state_on_a_claim_per_pod_behind_a_headless_se
     [statefulset] = of_kind("StatefulSet")
     spec = statefulset["spec"]
     [claim] = spec["volumeClaimTemplates"]
-    [mount] = the_container(statefulset)["volumeMounts"]
+    [mount] = [m for m in the_container(statefulset)["volumeMounts"] if m["mountPath"] == "/data"]
     assert claim["metadata"]["name"] == mount["name"] and claim["spec"]["accessModes"] == ["ReadWriteOnce"]
     assert spec["persistentVolumeClaimRetentionPolicy"] == {"whenDeleted": "Retain", "whenScaled": "Retain"}
     [service] = [s for s in of_kind("Service") if s["metadata"]["name"] == spec["serviceName"]]
@@ -252,9 +284,13 @@ def test_the_network_policy_opens_exactly_the_two_ports() -> None:
 
 
 # -- the command runs ------------------------------------------------------------------------------
-def http_status(port: int, path: str) -> int:
+def http_status(port: int, path: str, scheme: str = "HTTP") -> int:
+    """The probe's answer; over HTTPS without checking the certificate, as the kubelet does."""
+    context = ssl._create_unverified_context() if scheme == "HTTPS" else None
     try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=5) as response:
+        with urllib.request.urlopen(
+            f"{scheme.lower()}://127.0.0.1:{port}{path}", timeout=5, context=context
+        ) as response:
             return response.status
     except urllib.error.HTTPError as exc:
         return exc.code
@@ -271,7 +307,7 @@ def run_container_command(
     data = tmp_path / "data"
     data.mkdir(parents=True)
     moved = {"0.0.0.0": "127.0.0.1", str(port_number(container, "http")): str(http), "/data": str(data)}
-    argv = [*DAEMON_CMD, *(moved.get(a, a) for a in args), "--port", str(port)]
+    argv = [*DAEMON_CMD, *local_paths([moved.get(a, a) for a in args]), "--port", str(port)]
     if "--worker-id-from" in argv:
         argv += ["--hostname", pod_name]
     env = {k: str(data) if v == "/data" else v for k, v in container_env(container).items()}
@@ -292,9 +328,13 @@ def test_the_statefulsets_command_answers_its_probes(tmp_path: Path) -> None:
     try:
         wait_for_port(port, proc)  # the startup probe: a TCP connection to the memcached port
         wait_for_port(http, proc)
-        assert http_status(http, container["readinessProbe"]["httpGet"]["path"]) == 200
-        assert http_status(http, container["livenessProbe"]["httpGet"]["path"]) == 200
-        with socket.create_connection(("127.0.0.1", port), timeout=5) as s:
+        for probe in ("readinessProbe", "livenessProbe"):
+            get = container[probe]["httpGet"]
+            assert http_status(http, get["path"], get.get("scheme", "HTTP")) == 200
+        context = ssl.create_default_context(cafile=str(tls_files() / "ca.crt"))
+        with context.wrap_socket(
+            socket.create_connection(("127.0.0.1", port), timeout=5), server_hostname="localhost"
+        ) as s:
             s.sendall(b"GET a\r\n")
             reply = s.recv(100)
         assert reply.startswith(b"VALUE a 0 ") and (int(reply.split(b"\r\n")[1]) >> 12) & 0x3FF == 2

@@ -19,6 +19,7 @@ from conftest import DAEMON_CMD, DaemonFactory, daemon_env, free_port, wait_for_
 from lease_helpers import get, ids, start_leased, wait_until
 
 from katsubushi_py.daemon import server
+from katsubushi_py.daemon.tls import TlsConfig
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -164,10 +165,16 @@ def test_which_addresses_count_as_beyond_loopback(
         assert lines == []
     else:
         assert lines == [
-            f"listening beyond loopback ({', '.join(exposed)}): the daemon has no authentication and no"
-            " encryption, so anyone who can reach these addresses can take IDs and read its stats; allow only"
-            " your applications (a firewall, a private network, a Kubernetes NetworkPolicy)"
+            f"listening beyond loopback ({', '.join(exposed)}) with no authentication or encryption: anyone"
+            " who can reach these addresses can take IDs and read its stats, in clear text; turn on TLS"
+            " (--tls-cert, --tls-key) and require client certificates (--tls-ca, --tls-verify require), or"
+            " allow only your applications (a firewall, a private network, a Kubernetes NetworkPolicy)"
         ]
+        # With TLS but no client certificates required, the warning says what is still missing.
+        tls = TlsConfig(cert="server.pem")
+        [line] = server.startup_warnings(addresses, tls)
+        assert "with TLS but no authentication" in line and "--tls-verify require" in line
+        assert server.startup_warnings(addresses, TlsConfig(cert="s.pem", ca="ca.pem", verify="require")) == []
 
 
 def in_new_network_namespace(command: list[str]) -> list[str]:
@@ -207,7 +214,7 @@ def test_listening_on_every_interface_warns_that_there_is_no_authentication(shor
         proc.wait(10)
     warnings = [line for line in log.read_text().splitlines() if "beyond loopback" in line]
     assert len(warnings) == 1, log.read_text()
-    exposed = f"WARNING listening beyond loopback (0.0.0.0:{port}, http://0.0.0.0:{http}): the daemon has no"
+    exposed = f"WARNING listening beyond loopback (0.0.0.0:{port}, http://0.0.0.0:{http}) with no authentication"
     assert exposed in warnings[0]
     assert sock not in warnings[0]
 

@@ -32,8 +32,10 @@ from ..issuing.statefile import StateFile
 from ..leasing import LeaseError, LeaseKeeper
 from .activation import ActivationError, describe, inherited_sockets
 from .connection import ConnectionHandler
+from .deadlines import RequestDeadlines
 from .sockets import DIRECT, SocketServer, bind_tcp, bind_unix
 from .stats import Stats, settings_fields
+from .tls import TlsConfig, TlsError, TlsServer
 
 log = logging.getLogger("katsubushi_py")
 
@@ -41,9 +43,10 @@ log = logging.getLogger("katsubushi_py")
 _SPARE_FDS = 32
 
 
-def startup_warnings(addresses: list[str]) -> list[str]:
+def startup_warnings(addresses: list[str], tls: TlsConfig | None = None) -> list[str]:
     """What an operator should know about how this daemon runs, logged once it listens (so that a
-    failed start stays one line): the pure-Python hot path, and listeners beyond loopback."""
+    failed start stays one line): the pure-Python hot path, and listeners beyond loopback without
+    TLS, or with TLS but without client certificates required."""
     lines = []
     if IMPLEMENTATION != "compiled":
         advice = (
@@ -57,11 +60,18 @@ def startup_warnings(addresses: list[str]) -> list[str]:
             f" path's IDs/s with pipelined and multi-key GETs (bench/RESULTS.md){advice}"
         )
     exposed = [address for address in addresses if not _is_local(address)]
-    if exposed:
+    if exposed and tls is None:
         lines.append(
-            f"listening beyond loopback ({', '.join(exposed)}): the daemon has no authentication and no"
-            " encryption, so anyone who can reach these addresses can take IDs and read its stats; allow only"
-            " your applications (a firewall, a private network, a Kubernetes NetworkPolicy)"
+            f"listening beyond loopback ({', '.join(exposed)}) with no authentication or encryption: anyone"
+            " who can reach these addresses can take IDs and read its stats, in clear text; turn on TLS"
+            " (--tls-cert, --tls-key) and require client certificates (--tls-ca, --tls-verify require), or"
+            " allow only your applications (a firewall, a private network, a Kubernetes NetworkPolicy)"
+        )
+    elif exposed and tls is not None and tls.verify != "require":
+        lines.append(
+            f"listening beyond loopback ({', '.join(exposed)}) with TLS but no authentication: anyone who can"
+            " reach these addresses can take IDs and read its stats; require client certificates (--tls-ca,"
+            " --tls-verify require) or allow only your applications (a firewall, a NetworkPolicy)"
         )
     return lines
 
@@ -134,6 +144,7 @@ class Listeners:
     memcached: list[socket.socket] = field(default_factory=list)
     http: list[socket.socket] = field(default_factory=list)
     grpc: list[socket.socket] = field(default_factory=list)
+    plain: list[socket.socket] = field(default_factory=list)  # --plain-port (memcached, no TLS)
 
 
 class Daemon:
@@ -160,16 +171,50 @@ class Daemon:
         self._all_closed: asyncio.Event | None = None
         self.addresses: list[str] = []
         self._own_socket = False
+        self.tls: TlsServer | None = None  # made by start() (the files are read again there)
+        self.deadlines: RequestDeadlines | None = None
+        #: What SIGHUP and memcached's ``refresh_certs`` reload: callables returning None or why not.
+        self.reloaders: list[Callable[[], str | None]] = []
+        #: Set by the --workers supervisor's processes: a reload asks the supervisor to reload all.
+        self.tell_supervisor = False
+        self.issuer.refresh_certs = self.refresh_certs  # type: ignore[attr-defined]
+
+    def reload(self) -> str | None:
+        """SIGHUP: reload what can be reloaded (the TLS certificates, ...); the first failure's reason."""
+        failures = [reason for reason in (reload() for reload in self.reloaders) if reason is not None]
+        if not self.reloaders:
+            log.info("SIGHUP: nothing to reload (no --tls-cert)")
+        return failures[0] if failures else None
+
+    def refresh_certs(self) -> str | None:
+        """memcached's ``refresh_certs``: reload the certificates now (in every --workers process)."""
+        if self.tls is None:
+            return "TLS not enabled"
+        reason = self.tls.reload()
+        if reason is None and self.tell_supervisor:
+            with contextlib.suppress(OSError):
+                os.kill(os.getppid(), signal.SIGHUP)  # the supervisor passes it to every process
+        return reason
 
     def connection_closed(self) -> None:
         if self._all_closed is not None and not self.connections:
             self._all_closed.set()
 
     async def _listen_tcp(
-        self, factory: Callable[[], asyncio.Protocol], port: int, scheme: str = "", direct: bool = False
+        self,
+        factory: Callable[[], asyncio.Protocol],
+        port: int,
+        scheme: str = "",
+        direct: bool = False,
+        kind: str | None = None,
+        host: str | None = None,
     ) -> None:
-        """Listen on --host:port; ``direct``: serve with our socket transport (memcached, compiled)."""
-        host = self.config.host
+        """Listen on --host:port; ``direct``: serve with our socket transport (memcached, compiled);
+        ``kind`` (memcached, http, grpc): with TLS when it is on (then never direct)."""
+        host = self.config.host if host is None else host
+        tls: dict[str, Any] = {}
+        if kind is not None and self.tls is not None:
+            tls, direct = self.tls.server_options(kind), False
         backlog = min(4096, max(128, self.config.max_connections))
         server: asyncio.AbstractServer | SocketServer
         try:
@@ -184,7 +229,7 @@ class Daemon:
                         sock.close()
                     raise
                 return
-            server = await self.loop.create_server(factory, host, port, backlog=backlog, reuse_address=True)
+            server = await self.loop.create_server(factory, host, port, backlog=backlog, reuse_address=True, **tls)
         except OSError as exc:
             await self.close_listeners()
             reason = "address already in use" if exc.errno == errno.EADDRINUSE else (exc.strerror or str(exc))
@@ -211,9 +256,9 @@ class Daemon:
             return ConnectionHandler(self, lambda: HttpConnection(api), TOO_MANY_CONNECTIONS)
 
         if self.listeners is not None and self.listeners.http:
-            await self._serve_sockets(factory, self.listeners.http, "http://")
+            await self._serve_sockets(factory, self.listeners.http, "http://", kind="http")
         else:
-            await self._listen_tcp(factory, port, "http://")
+            await self._listen_tcp(factory, port, "http://", kind="http")
 
     async def _start_grpc(self, port: int) -> None:
         """gRPC over HTTP/2 (:mod:`~katsubushi_py.frontends.grpc_h2`) through the same glue as memcached
@@ -228,22 +273,37 @@ class Daemon:
             return ConnectionHandler(self, lambda: GrpcConnection(service), TOO_MANY_CONNECTIONS)
 
         if self.listeners is not None and self.listeners.grpc:
-            await self._serve_sockets(factory, self.listeners.grpc, "grpc://", direct=DIRECT)
+            await self._serve_sockets(factory, self.listeners.grpc, "grpc://", direct=DIRECT, kind="grpc")
         else:
-            await self._listen_tcp(factory, port, "grpc://", direct=DIRECT)
+            await self._listen_tcp(factory, port, "grpc://", direct=DIRECT, kind="grpc")
 
     async def start(self) -> None:
         config = self.config
         backlog = min(4096, max(128, config.max_connections))
+        if config.tls is not None:
+            try:
+                self.tls = TlsServer(config.tls, config.request_timeout)
+            except TlsError as exc:
+                raise StartupError(str(exc)) from None
+            self.reloaders.append(self.tls.reload)
+            self.issuer.stats_fields = _chain(self.issuer.stats_fields, self.tls.stat_fields)
+        if config.request_timeout > 0:
+            self.deadlines = RequestDeadlines(self, config.request_timeout)
+            self.issuer.stats_fields = _chain(self.issuer.stats_fields, self.deadlines.stat_fields)
         # Sockets made for us (--workers) or passed by systemd replace the memcached listeners (--port,
         # --sock); HTTP and gRPC bind as usual unless the supervisor made their sockets too.
         if self.listeners is not None:
-            await self._serve_sockets(lambda: ConnectionHandler(self), self.listeners.memcached, direct=DIRECT)
+            await self._serve_sockets(
+                lambda: ConnectionHandler(self), self.listeners.memcached, direct=DIRECT, kind="memcached"
+            )
+            await self._serve_sockets(lambda: ConnectionHandler(self), self.listeners.plain, direct=DIRECT)
             activated = True
         else:
             activated = await self._start_inherited()
         if config.port is not None and not activated:
-            await self._listen_tcp(lambda: ConnectionHandler(self), config.port, direct=DIRECT)
+            await self._listen_tcp(lambda: ConnectionHandler(self), config.port, direct=DIRECT, kind="memcached")
+        if config.plain_port is not None and self.listeners is None:  # (the supervisor made it otherwise)
+            await self._listen_tcp(lambda: ConnectionHandler(self), config.plain_port, direct=DIRECT, host="127.0.0.1")
         if config.http_port is not None:
             await self._start_http(config.http_port)
         if config.grpc_port is not None:
@@ -278,7 +338,7 @@ class Daemon:
             inherited = inherited_sockets()
         except ActivationError as exc:
             raise StartupError(str(exc)) from None
-        await self._serve_sockets(lambda: ConnectionHandler(self), inherited, direct=DIRECT)
+        await self._serve_sockets(lambda: ConnectionHandler(self), inherited, direct=DIRECT, kind="memcached")
         if inherited:
             log.info(
                 "serving memcached on %d socket(s) passed by systemd; --port and --sock are not used", len(inherited)
@@ -291,13 +351,17 @@ class Daemon:
         sockets: list[socket.socket],
         scheme: str = "",
         direct: bool = False,
+        kind: str | None = None,
     ) -> None:
         """Serve on listening sockets made by someone else (the supervisor, or systemd); ``direct``:
-        with our socket transport (memcached, compiled)."""
+        with our socket transport (memcached, compiled); ``kind``: TCP ones with TLS when it is on."""
         backlog = min(4096, max(128, self.config.max_connections))
         for sock in sockets:
             server: asyncio.AbstractServer | SocketServer
-            if direct:
+            if kind is not None and self.tls is not None and sock.family != socket.AF_UNIX:
+                options = self.tls.server_options(kind)
+                server = await self.loop.create_server(factory, sock=sock, backlog=backlog, **options)
+            elif direct:
                 server = SocketServer(self.loop, sock, factory, backlog)
             elif sock.family == socket.AF_UNIX:
                 # The socket file is not ours to remove (systemd's, or shared by every --workers
@@ -325,6 +389,8 @@ class Daemon:
         """Stop accepting, let every connection flush what it was already answered, then close."""
         self.stopping = True
         self.issuer.unavailable = "shutting down"
+        if self.deadlines is not None:
+            self.deadlines.stop()
         for server in self.servers:
             server.close()
         self._all_closed = asyncio.Event()
@@ -336,6 +402,14 @@ class Daemon:
             for handler in list(self.connections):
                 handler.abort()
         await self.close_listeners()
+
+
+def _chain(
+    first: Callable[[], list[tuple[str, object]]], then: Callable[[], list[tuple[str, object]]]
+) -> Callable[[], list[tuple[str, object]]]:
+    """STATS' fields: ``first``'s, then ``then``'s (TLS and the request deadline: not ``Stats.extra``,
+    whose presence the metrics read as a lease)."""
+    return lambda: [*first(), *then()]
 
 
 def _lease_failure(keeper: LeaseKeeper, exc: BaseException) -> StartupError:
@@ -365,11 +439,15 @@ async def serve(
     stop = asyncio.Event()
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, stop.set)
+    daemon_for_hup: list[Daemon] = []
+    loop.add_signal_handler(signal.SIGHUP, lambda: [d.reload() for d in daemon_for_hup])
     keeper: LeaseKeeper | None = None
     keeping: asyncio.Task[None] | None = None
     daemon: Daemon | None = None
     try:
         daemon = Daemon(config, generator, loop, listeners)
+        daemon.tell_supervisor = listeners is not None
+        daemon_for_hup.append(daemon)
         issuer = daemon.issuer
         if config.lease is not None:
             lease = config.lease
@@ -426,7 +504,7 @@ async def serve(
             )
             keeping = loop.create_task(keeper.run(generator))
         if listeners is None:  # (the --workers supervisor says it once for all its processes)
-            for line in startup_warnings(daemon.addresses):
+            for line in startup_warnings(daemon.addresses, config.tls):
                 log.warning("%s", line)
         if ready is not None:
             ready(daemon)
@@ -448,5 +526,5 @@ async def serve(
             last_ms = generator.last_issued_ms or 0
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(keeper.stop(last_ms), 1.5)
-        for signum in (signal.SIGTERM, signal.SIGINT):
+        for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
             loop.remove_signal_handler(signum)

@@ -180,6 +180,10 @@ def _die_with(supervisor: int) -> None:
         os._exit(1)
 
 
+def _all(listeners: Listeners) -> list[socket.socket]:
+    return [*listeners.memcached, *listeners.http, *listeners.grpc, *listeners.plain]
+
+
 def child_config(config: ServerConfig, index: int) -> ServerConfig:
     """Process ``index``'s configuration: its own worker id (or its own lease)."""
     worker_id = None if config.worker_id is None else config.worker_id + index
@@ -235,6 +239,11 @@ class Supervisor:
                 per_process, reuseport_sockets(config.host, config.grpc_port, count, backlog), strict=True
             ):
                 listeners.grpc.append(sock)
+        if config.plain_port is not None:  # --plain-port: plain memcached on loopback beside TLS
+            for listeners, sock in zip(
+                per_process, reuseport_sockets("127.0.0.1", config.plain_port, count, backlog), strict=True
+            ):
+                listeners.plain.append(sock)
         for listeners in per_process:
             listeners.memcached.extend(shared)
         self._shared = shared
@@ -250,7 +259,7 @@ class Supervisor:
 
     def close_listeners(self) -> None:
         for slot in self.slots:
-            for sock in [*slot.listeners.memcached, *slot.listeners.http, *slot.listeners.grpc]:
+            for sock in _all(slot.listeners):
                 with contextlib.suppress(OSError):
                     sock.close()
         if self._unix_path is not None:
@@ -269,9 +278,10 @@ class Supervisor:
                 signal.pthread_sigmask(signal.SIG_SETMASK, set())
                 for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGCHLD):
                     signal.signal(signum, signal.SIG_DFL)
-                mine = {id(sock) for sock in [*slot.listeners.memcached, *slot.listeners.http, *slot.listeners.grpc]}
+                signal.signal(signal.SIGHUP, signal.SIG_IGN)  # until its loop handles it (a reload)
+                mine = {id(sock) for sock in _all(slot.listeners)}
                 for other in self.slots:  # another process's SO_REUSEPORT socket must not stay open here
-                    for sock in [*other.listeners.memcached, *other.listeners.http, *other.listeners.grpc]:
+                    for sock in _all(other.listeners):
                         if id(sock) not in mine:
                             sock.close()
                 code = self.run_child(slot.config, slot.listeners, self.board, slot.index)
@@ -286,7 +296,7 @@ class Supervisor:
     def run(self) -> int:
         """Open the listeners, start every process, supervise until a signal; the exit status."""
         self.open_listeners()
-        watched = {signal.SIGTERM, signal.SIGINT, signal.SIGCHLD}
+        watched = {signal.SIGTERM, signal.SIGINT, signal.SIGCHLD, signal.SIGHUP}
         signal.pthread_sigmask(signal.SIG_BLOCK, watched)
         status = 0
         try:
@@ -297,7 +307,7 @@ class Supervisor:
                 len(self.slots),
                 ", ".join(str(slot.pid) for slot in self.slots),
             )
-            for line in startup_warnings(self.addresses()):
+            for line in startup_warnings(self.addresses(), self.config.tls):
                 log.warning("%s", line)
             while not self._stopping:
                 timeout = self._next_restart_in()
@@ -308,6 +318,11 @@ class Supervisor:
                 if info is not None and info.si_signo in (signal.SIGTERM, signal.SIGINT):
                     log.info("stopping %d worker processes", len(self.slots))
                     break
+                if info is not None and info.si_signo == signal.SIGHUP:  # a reload: every process reloads
+                    for slot in self.slots:
+                        if slot.pid:
+                            with contextlib.suppress(ProcessLookupError):
+                                os.kill(slot.pid, signal.SIGHUP)
                 failed = self._reap()
                 if failed is not None:
                     status = 1

@@ -238,6 +238,7 @@ class TextConnection(TextCore):
         }
         # The two usual spellings are looked up directly; anything else is lower-cased first.
         self._commands = {**handlers, **{name.upper(): h for name, h in handlers.items()}}
+        self._commands[b"refresh_certs"] = self._refresh_certs  # (lower case only, as memcached)
         # get and gets: whether the line's values carry a CAS field.
         words = {b"get": False, b"gets": gets_cas}
         self._get_words = {**words, **{name.upper(): cas for name, cas in words.items()}}
@@ -584,6 +585,16 @@ class TextConnection(TextCore):
         if _number(tokens[1], 0, 2**64 - 1) is None:
             return b"" if noreply else BAD_FORMAT
         return b"" if noreply else OK
+
+    def _refresh_certs(self, tokens: list[bytes]) -> bytes:
+        """memcached's ``refresh_certs [noreply]``: reload the TLS certificates (daemon/tls.py). Answered
+        as memcached answers: ``OK`` (nothing with noreply), else a line ``Error <reason>`` (noreply
+        or not; memcached's own words, not one of its error classes); other tokens are ignored."""
+        refresh = getattr(self._issuer, "refresh_certs", None)
+        reason = "TLS not enabled" if refresh is None else refresh()
+        if reason is None:
+            return b"" if tokens[-1] == b"noreply" else OK
+        return b"Error " + reason.encode("utf-8", "replace").replace(b"\r", b" ").replace(b"\n", b" ") + b"\r\n"
 
     def _storage(self, tokens: list[bytes]) -> bytes:
         """``set|add|replace|append|prepend <key> <flags> <exptime> <bytes> [noreply]`` and ``cas
