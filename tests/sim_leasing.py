@@ -1,0 +1,918 @@
+"""A deterministic simulation of worker-id leasing under faults: several daemons, each running the real
+lease keeper (``katsubushi_py/leasing``) and the real generator, against the real Lua scripts in a real
+redis-server, on one event loop with a virtual clock; random interleavings of client requests and
+faults; after every step, the invariants.
+
+Run it::
+
+    python tests/sim_leasing.py --seeds 20 --steps 5000          # 20 worlds of 5,000 steps each
+    python tests/sim_leasing.py --seed 1234 --steps 5000 --trace # replay one world, with its log
+
+**The world** (drawn from the seed): 2 to 6 hosts, each with a clock that drifts (up to 200 ppm) and
+steps, running one daemon at a time; a pool of 1 to 7 worker ids (often fewer than the hosts, so daemons
+wait for ids); a master with 0 to 2 replicas, Sentinel naming it; a lease ttl of 3 to 6 s, renews at a
+third of it, a clock-skew allowance of 0.25 to 1 s; replica acknowledgements as the default (every
+replica) or ``replica_acks=0``; a pool made by ``lease init`` or by the first daemon.
+
+**Steps**: a client request to a daemon (1 to 100 IDs, from its generator, as the front ends ask), a
+tick of virtual time (1 to 40 ms: the keepers renew, acquire, time out, retry), or a fault. Faults come
+in storms separated by calm stretches (so the fleet recovers and serves again); see :class:`Faults` for
+the list: daemon pause, crash, clean stop, a host's clock stepped (and put right), Redis's clock
+stepped, Redis restarted losing everything / from an RDB snapshot up to 3 ttl old / losing the last
+second of an AOF / losing nothing, failover to a replica (up to date, or cut off before the master
+died), two masters at once (a partition; only with replica acknowledgements), a replica's link cut, a
+replica slow, Redis paused, a lease record damaged as docs/leasing.md lists, a daemon cut off from
+Redis, replies lost or late.
+
+**Invariants**, checked after every step (a failure stops the world, prints the seed and the command
+that replays it):
+
+- no ID is issued twice;
+- under one worker id, IDs only increase, whoever issues them;
+- no two daemons issue under one worker id in overlapping time: after every step at most one daemon per
+  worker id could issue (its generator's check passes), and a daemon that issued under a worker id
+  never issues under it again once another daemon has;
+- a daemon issues only under the lease its keeper holds (worker id and lease);
+- no script fails in Redis, no keeper dies of anything but a refusal the daemon would exit with, no
+  callback raises.
+
+**Determinism**: everything random comes from the seed (the keepers' own jitter included: the global
+``random`` is seeded), tokens and pool epochs are numbered, and virtual time only moves when the loop
+has nothing to run; the same seed gives the same run, byte for byte (``--digest`` prints a hash of the
+trace to check).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import contextvars
+import hashlib
+import importlib
+import logging
+import os
+import pkgutil
+import random
+import sys
+import tempfile
+import time as real_time
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from sim_loop import PROCESS, ROOT, SIM_TIME, HostClock, VirtualLoop  # noqa: E402
+from sim_redis import Backend, Node, RedisWorld, SimFinder  # noqa: E402
+
+import katsubushi_py.leasing as leasing_pkg  # noqa: E402
+from katsubushi_py.issuing.errors import GenerationError  # noqa: E402
+from katsubushi_py.issuing.generator import Generator  # noqa: E402
+from katsubushi_py.leasing import keeper as keeper_module  # noqa: E402
+from katsubushi_py.leasing.keeper import LeaseKeeper, LeaseTimings  # noqa: E402
+from katsubushi_py.leasing.scripts import INIT_LUA  # noqa: E402
+from katsubushi_py.leasing.target import LeaseError, RedisTarget  # noqa: E402
+
+BASE_UNIX = 1_795_305_600.0  # true time 0: 2026-11-22T00:00:00Z
+WORKER_SHIFT, WORKER_MASK = 12, 1023
+log = logging.getLogger("katsubushi_py.sim")
+
+
+class Violation(AssertionError):
+    """An invariant broke."""
+
+
+@dataclass
+class Config:
+    """One world, all drawn from its seed."""
+
+    hosts: int
+    min_id: int
+    max_id: int
+    replicas: int
+    replica_acks: int | None
+    ttl: float
+    skew_max: float
+    init_pool: bool
+    fault_rate: float  # faults per step in a storm
+
+    @property
+    def timings(self) -> LeaseTimings:
+        return LeaseTimings(ttl=self.ttl, renew=self.ttl / 3, delay=2 * self.ttl / 3)
+
+    @property
+    def recovery(self) -> float:
+        return self.ttl + 2 * self.skew_max
+
+    @classmethod
+    def draw(cls, rng: random.Random) -> Config:
+        hosts = rng.randint(2, 6)
+        replicas = rng.choice((0, 1, 1, 2))
+        return cls(
+            hosts=hosts,
+            min_id=1,
+            max_id=rng.randint(1, hosts + 1),
+            replicas=replicas,
+            replica_acks=0 if replicas and rng.random() < 0.2 else None,
+            ttl=rng.choice((3.0, 4.5, 6.0)),
+            skew_max=rng.choice((0.25, 0.5, 1.0)),
+            init_pool=rng.random() < 0.7,
+            fault_rate=rng.uniform(0.002, 0.008),
+        )
+
+
+@dataclass(eq=False)
+class Host:
+    name: str
+    clock: HostClock
+    process: Process | None = None
+    incarnations: int = 0
+    restart_at: float = -1.0
+
+
+@dataclass(eq=False)
+class Process:
+    """One daemon: its keeper and generator, run in a context that names it."""
+
+    host: Host
+    name: str
+    ctx: contextvars.Context
+    keeper: LeaseKeeper | None = None
+    generator: Generator | None = None
+    tasks: list[asyncio.Task[Any]] = field(default_factory=list)
+    state: str = "running"  # running, stopping, stopped, crashed, exited
+    paused_until: float = 0.0
+    net_down_until: float = 0.0
+    crashed: bool = False
+    tokens: int = 0
+    exit: str = ""
+
+    @property
+    def live(self) -> bool:
+        return self.state == "running"
+
+
+class Checker:
+    """The invariants over every ID issued, and over who could issue at each step."""
+
+    def __init__(self) -> None:
+        self.seen: set[int] = set()
+        self.last: dict[int, int] = {}  # worker id -> the last ID issued under it
+        self.owner: dict[int, str] = {}  # worker id -> the lease token that issued under it last
+        self.retired: set[tuple[int, str]] = set()
+        self.ids = 0
+        self.requests = 0
+        self.refused: Counter[str] = Counter()
+        self.serving_time: dict[int, float] = {}
+
+    def issued(self, process: Process, ids: list[int], now: float) -> None:
+        keeper, generator = process.keeper, process.generator
+        assert keeper is not None and generator is not None
+        holding = keeper.holding
+        if holding is None:
+            raise Violation(f"{process.name} issued {len(ids)} IDs without holding a lease")
+        worker, token = holding.worker_id, holding.lease.token
+        for id_ in ids:
+            if (id_ >> WORKER_SHIFT) & WORKER_MASK != worker:
+                raise Violation(f"{process.name} issued {id_} (worker id {(id_ >> WORKER_SHIFT) & WORKER_MASK})"
+                                f" under its lease on worker id {worker}")
+        before = len(self.seen)
+        self.seen.update(ids)
+        if len(self.seen) != before + len(ids):
+            dup = [i for i in ids if ids.count(i) > 1] or ids
+            raise Violation(f"DUPLICATE: {process.name} issued an ID issued before (one of {dup[:3]}...)")
+        last = self.last.get(worker)
+        if last is not None and ids[0] <= last:
+            raise Violation(f"{process.name} issued {ids[0]} under worker id {worker} after {last} was issued")
+        self.last[worker] = ids[-1]
+        owner = self.owner.get(worker)
+        if owner != token:
+            if (worker, token) in self.retired:
+                raise Violation(f"OVERLAP: {process.name} issued under worker id {worker} again after lease {owner}")
+            if owner is not None:
+                self.retired.add((worker, owner))
+            self.owner[worker] = token
+        self.ids += len(ids)
+
+    def could_issue(self, processes: list[Process], now: float) -> None:
+        """At most one daemon per worker id could issue right now."""
+        seen: dict[int, Process] = {}
+        for process in processes:
+            generator = process.generator
+            if not process.live or process.paused_until > now or generator is None:
+                continue
+            if generator.check() is not None:
+                continue
+            worker = generator.worker_id
+            other = seen.get(worker)
+            if other is not None:
+                raise Violation(f"OVERLAP: {other.name} and {process.name} could both issue under worker id {worker}")
+            seen[worker] = process
+
+
+class Faults:
+    """What can go wrong, and when: storms (faults at ``config.fault_rate`` per step) and calm stretches
+    (none, for long enough that the fleet serves again: two recovery windows and a ttl)."""
+
+    def __init__(self, sim: Simulation) -> None:
+        self.sim = sim
+        self.rng = sim.rng
+        self.counts: Counter[str] = Counter()
+        self.phase = "calm"  # the world starts calm: the fleet leases its ids first
+        self.storm_until_step = 0
+        self.calm_until = 2 * sim.config.recovery + sim.config.ttl
+        self.settled_at = 0.0  # true time by which every fault so far has played out
+        self.topology_busy = False  # a restart, failover or partition in progress: one at a time
+
+    def weights(self) -> dict[str, float]:
+        sim, config = self.sim, self.sim.config
+        has_replicas = any(n.role == "replica" and n.up for n in sim.redis.nodes)
+        topology = sim.redis.master is not None and sim.redis.partitioned is None and not self.topology_busy
+        w = {
+            "pause": 3.0,
+            "crash": 2.0,
+            "stop": 2.0,
+            "host_clock": 1.5,
+            "host_ntp": 1.0,
+            "redis_clock": 1.5,
+            "restart": 1.0 if topology else 0.0,
+            "failover": 1.0 if has_replicas and topology else 0.0,
+            "two_masters": 0.5 if has_replicas and topology and config.replica_acks is None else 0.0,
+            "replica_link": 1.0 if has_replicas else 0.0,
+            "slow_replica": 0.5 if has_replicas else 0.0,
+            "redis_pause": 1.0 if sim.redis.master is not None else 0.0,
+            "damage": 1.5,
+            "net": 2.0,
+            "lost_replies": 1.0,
+        }
+        return {k: v for k, v in w.items() if v > 0}
+
+    def step(self) -> None:
+        sim = self.sim
+        now = sim.loop.now
+        if self.phase == "storm":
+            if sim.step_no >= self.storm_until_step:
+                self.phase = "calm"
+                self.calm_until = max(now, self.settled_at) + 2 * sim.config.recovery + 2 * sim.config.ttl
+            elif self.rng.random() < sim.config.fault_rate:
+                weights = self.weights()
+                kind = self.rng.choices(list(weights), list(weights.values()))[0]
+                getattr(self, kind)()
+        elif now >= max(self.calm_until, self.settled_at + 2 * sim.config.recovery + 2 * sim.config.ttl):
+            sim.calm_ended()
+            self.phase = "storm"
+            self.storm_until_step = sim.step_no + self.rng.randint(300, 3000)
+
+    def _busy(self, seconds: float) -> None:
+        """This fault plays out for ``seconds`` from now."""
+        self.settled_at = max(self.settled_at, self.sim.loop.now + seconds)
+
+    def _event(self, kind: str, what: str) -> None:
+        self.counts[kind] += 1
+        self.sim.trace(f"FAULT {kind}: {what}")
+
+    def _process(self) -> Process | None:
+        live = [h.process for h in self.sim.hosts if h.process is not None and h.process.live]
+        return self.rng.choice(live) if live else None
+
+    def _later(self, delay: float, callback: Any, *args: Any) -> None:
+        self.sim.loop.call_at(self.sim.loop.now + delay, callback, *args, context=ROOT)
+
+    # -- daemons -------------------------------------------------------------------------------------
+    def pause(self) -> None:
+        process = self._process()
+        if process is None:
+            return
+        ttl = self.sim.config.ttl
+        length = self.rng.choice((self.rng.uniform(0.05, 0.5), self.rng.uniform(0.5, ttl), self.rng.uniform(ttl, 3 * ttl)))
+        process.paused_until = max(process.paused_until, self.sim.loop.now + length)
+        self._event("pause", f"{process.name} for {length:.3f}s")
+
+    def crash(self) -> None:
+        process = self._process()
+        if process is None:
+            return
+        self._event("crash", process.name)
+        self.sim.crash(process)
+        self.sim.restart_later(process.host, self.rng.uniform(0.1, 2 * self.sim.config.ttl))
+
+    def stop(self) -> None:
+        process = self._process()
+        if process is None or process.paused_until > self.sim.loop.now:
+            return
+        self._event("stop", process.name)
+        self.sim.stop(process)
+        self.sim.restart_later(process.host, self.rng.uniform(0.0, self.sim.config.ttl))
+
+    def host_clock(self) -> None:
+        host = self.rng.choice(self.sim.hosts)
+        step = self.rng.choice((-1, 1)) * self.rng.uniform(0.01, 2.5 * self.sim.config.skew_max)
+        if self.rng.random() < 0.2:
+            step = self.rng.choice((-1, 1)) * self.rng.uniform(5, 60)
+        host.clock.step(step)
+        self._event("host_clock", f"{host.name} {step:+.3f}s")
+
+    def host_ntp(self) -> None:
+        """NTP puts a host's wall clock back within half the allowed skew of the master's."""
+        host = self.rng.choice(self.sim.hosts)
+        master = self.sim.redis.master or self.sim.redis.nodes[0]
+        target = master.clock_offset + self.rng.uniform(-0.5, 0.5) * self.sim.config.skew_max
+        host.clock.step(target - host.clock.offset)
+        self._event("host_ntp", f"{host.name} to {target:+.3f}s")
+
+    # -- Redis -------------------------------------------------------------------------------------
+    def redis_clock(self) -> None:
+        node = self.sim.redis.master or self.rng.choice(self.sim.redis.nodes)
+        size = self.rng.choice((self.rng.uniform(0.05, 1.0), self.rng.uniform(1.0, 5.0), self.rng.uniform(5.0, 30.0)))
+        step = self.rng.choice((-1, 1)) * size
+        node.clock_offset += step
+        self._event("redis_clock", f"{node.name} {step:+.3f}s")
+
+    def restart(self) -> None:
+        redis, rng, ttl = self.sim.redis, self.rng, self.sim.config.ttl
+        node = redis.master
+        if node is None or not node.up:
+            return
+        mode = rng.choice(("flush", "rdb", "rdb", "aof", "clean"))
+        age = {"flush": 0.0, "rdb": rng.uniform(0, 3 * ttl), "aof": rng.uniform(0, 1.0), "clean": 0.0}[mode]
+        down = rng.choice((rng.uniform(0.01, 0.5), rng.uniform(0.5, ttl), rng.uniform(ttl, 2 * ttl)))
+        dumps = tuple(None for _ in redis.keys) if mode == "flush" else redis.state_at(node, redis.loop.now - age)
+        redis.stop_node(node)
+        self._event("restart", f"{node.name} ({mode}, snapshot {age:.3f}s old, down {down:.3f}s)")
+
+        def back() -> None:
+            redis.start_node(node, dumps)
+            self.sim.trace(f"{node.name} back (run_id {node.run_id[:8]})")
+
+        self._later(down, back)
+
+    def failover(self) -> None:
+        redis, rng = self.sim.redis, self.rng
+        old = redis.master
+        replicas = [n for n in redis.nodes if n.role == "replica" and n.up and n.master is old]
+        if old is None or not replicas:
+            return
+        chosen = rng.choice(replicas)
+        lag = rng.random() < 0.5
+        cut = rng.uniform(0.05, 2.0) if lag else 0.0
+        if lag:
+            chosen.link_up = False
+        self._event("failover", f"{old.name} -> {chosen.name}" + (f" (its link cut {cut:.3f}s before)" if lag else ""))
+
+        def kill() -> None:
+            if redis.master is not old or not old.up:
+                return
+            redis.stop_node(old)
+            redis.master = None
+            self.sim.trace(f"{old.name} killed; Sentinel promotes {chosen.name}")
+            self._later(rng.uniform(0.2, 0.5 * self.sim.config.ttl), promote)
+
+        def promote() -> None:
+            if not chosen.up:
+                chosen.link_up = True
+                redis.master = old if old.up else None
+                if redis.master is None:
+                    redis.start_node(old, redis.state_at(old, redis.loop.now))
+                    redis.master = old
+                return
+            chosen.link_up = True
+            redis.promote(chosen)
+            self.sim.trace(f"{chosen.name} promoted (replid {chosen.replid[:8]})")
+            self._later(rng.uniform(1.0, 4 * self.sim.config.ttl), rejoin)
+
+        def rejoin() -> None:
+            if old.up or redis.master is None:
+                return
+            old.role = "replica"
+            old.master = redis.master
+            redis.start_node(old, tuple(None for _ in redis.keys))
+            self.sim.trace(f"{old.name} back as a replica of {redis.master.name}")
+
+        self._later(cut, kill)
+
+    def two_masters(self) -> None:
+        """A partition: the master, cut off from its replicas and from Sentinel, keeps running with some
+        daemons on its side; Sentinel promotes a replica for the others. Healed later: the old master
+        becomes a replica of the new."""
+        redis, rng, sim = self.sim.redis, self.rng, self.sim
+        old = redis.master
+        replicas = [n for n in redis.nodes if n.role == "replica" and n.up and n.master is old]
+        if old is None or not replicas:
+            return
+        chosen = rng.choice(replicas)
+        for replica in replicas:
+            replica.link_up = False
+        stuck = [p for h in sim.hosts if (p := h.process) is not None and p.live and rng.random() < 0.5]
+        for process in stuck:
+            redis.pinned[process] = old
+        redis.partitioned = old
+        redis.master = None
+        length = rng.uniform(0.5 * sim.config.ttl, 4 * sim.config.ttl)
+        self._event("two_masters", f"{old.name} cut off with {[p.name for p in stuck]}; {chosen.name} promoted; {length:.3f}s")
+
+        def promote() -> None:
+            if chosen.up:
+                chosen.link_up = True
+                redis.promote(chosen)
+
+        def heal() -> None:
+            redis.pinned.clear()
+            redis.partitioned = None
+            new = redis.master
+            if new is None:
+                return
+            if old.up:
+                redis.demote(old, new)
+            for replica in replicas:
+                if replica is not new and replica.up and replica.master is not new:
+                    redis.attach(replica, new)
+            sim.trace(f"partition healed: {old.name} now a replica of {new.name}")
+
+        self._later(rng.uniform(0.2, 0.5 * sim.config.ttl), promote)
+        self._later(length, heal)
+
+    def replica_link(self) -> None:
+        redis = self.sim.redis
+        replicas = [n for n in redis.nodes if n.role == "replica" and n.up and n.link_up]
+        if not replicas:
+            return
+        replica = self.rng.choice(replicas)
+        replica.link_up = False
+        length = self.rng.uniform(0.1, 2 * self.sim.config.ttl)
+        self._event("replica_link", f"{replica.name} cut for {length:.3f}s")
+
+        def restore() -> None:
+            if replica.up and replica.master is not None and replica.role == "replica" and not replica.link_up:
+                redis.attach(replica, replica.master)
+
+        self._later(length, restore)
+
+    def slow_replica(self) -> None:
+        replicas = [n for n in self.sim.redis.nodes if n.role == "replica"]
+        if replicas:
+            replica = self.rng.choice(replicas)
+            replica.slow = not replica.slow
+            self._event("slow_replica", f"{replica.name} {'slow' if replica.slow else 'fast again'}")
+
+    def redis_pause(self) -> None:
+        node = self.sim.redis.master
+        if node is None:
+            return
+        length = self.rng.choice((self.rng.uniform(0.05, 1.0), self.rng.uniform(1.0, 2 * self.sim.config.ttl)))
+        node.paused_until = max(node.paused_until, self.sim.loop.now + length)
+        self._event("redis_pause", f"{node.name} for {length:.3f}s")
+
+    def damage(self) -> None:
+        """A held id's record damaged as docs/leasing.md lists (an edit, a bad restore, a script bug):
+        expiry 0, mark 0, both, the mark deleted, the owner entry deleted, a release entry beside it."""
+        redis = self.sim.redis
+        node = redis.master
+        if node is None or not node.up or node.paused_until > redis.loop.now:
+            return
+        ids, owners, marks, released = redis.keys[:4]
+        client = redis.backend.client(node.db)
+        held = sorted(int(k) for k in client.hkeys(owners))
+        if not held:
+            return
+        worker = self.rng.choice(held)
+        kind = self.rng.choice(("expiry0", "mark0", "expiry0+mark0", "mark_deleted", "owner_deleted", "released"))
+        if "expiry0" in kind:
+            client.zadd(ids, {str(worker): 0})
+        if "mark0" in kind:
+            client.hset(marks, str(worker), 0)
+        if kind == "mark_deleted":
+            client.hdel(marks, str(worker))
+        if kind == "owner_deleted":
+            client.hdel(owners, str(worker))
+        if kind == "released":
+            client.hset(released, str(worker), 1)
+        redis._written(node)
+        self._event("damage", f"worker id {worker}: {kind}")
+
+    # -- the network ---------------------------------------------------------------------------------
+    def net(self) -> None:
+        process = self._process()
+        if process is None:
+            return
+        length = self.rng.choice((self.rng.uniform(0.05, 1.0), self.rng.uniform(1.0, 2 * self.sim.config.ttl)))
+        process.net_down_until = max(process.net_down_until, self.sim.loop.now + length)
+        self._event("net", f"{process.name} cut off from Redis for {length:.3f}s")
+
+    def lost_replies(self) -> None:
+        redis = self.sim.redis
+        redis.lost_reply_rate = self.rng.uniform(0.05, 0.5)
+        redis.lost_request_rate = self.rng.uniform(0.0, 0.2)
+        redis.slow_rate = self.rng.uniform(0.0, 0.3)
+        length = self.rng.uniform(0.5, 3 * self.sim.config.ttl)
+        self._event("lost_replies", f"{redis.lost_reply_rate:.0%} of replies lost, {redis.slow_rate:.0%} late, {length:.3f}s")
+
+        def end() -> None:
+            redis.lost_reply_rate = redis.lost_request_rate = redis.slow_rate = 0.0
+
+        self._later(length, end)
+
+
+class Simulation:
+    """One world, from its seed."""
+
+    def __init__(self, seed: int, steps: int, backend: Backend, trace: bool = False) -> None:
+        self.seed = seed
+        self.steps = steps
+        self.rng = random.Random(seed)
+        self.config = Config.draw(self.rng)
+        self.loop = VirtualLoop()
+        self.backend = backend
+        self.tracing = trace
+        self.digest = hashlib.sha256()
+        self.target = RedisTarget(url="redis://sim:6379/0", namespace="sim", replica_acks=self.config.replica_acks)
+        self.redis = RedisWorld(self.loop, self.rng, backend, self.target.keys().all, BASE_UNIX)
+        self.checker = Checker()
+        self.faults = Faults(self)
+        self.hosts: list[Host] = []
+        self.processes: list[Process] = []
+        self.step_no = 0
+        self.epochs = 0
+        self.failure: str | None = None
+        self.calm_results: Counter[str] = Counter()
+        self.stats: Counter[str] = Counter()
+
+    # -- tracing -----------------------------------------------------------------------------------
+    def trace(self, line: str) -> None:
+        text = f"{self.loop.now:10.4f} {line}"
+        self.digest.update(text.encode())
+        if self.tracing:
+            print(text)
+
+    # -- building the world ------------------------------------------------------------------------
+    def build(self) -> None:
+        config, rng = self.config, self.rng
+        master = self.redis.add_node()
+        for _ in range(config.replicas):
+            offset = rng.uniform(-0.2, 0.2) * config.skew_max if rng.random() < 0.8 else rng.uniform(-10, 10)
+            self.redis.add_node(clock_offset=offset)
+        if config.init_pool:
+            self.redis.run_script(master, INIT_LUA, self.redis.keys, [config.min_id, config.max_id, "init-epoch"])
+        for n in range(config.hosts):
+            clock = HostClock(
+                self.loop,
+                BASE_UNIX,
+                offset=rng.uniform(-0.8, 0.8) * config.skew_max,
+                rate=rng.uniform(-2e-4, 2e-4),
+                mono_start=rng.uniform(100, 10_000),
+            )
+            host = Host(f"h{n}", clock)
+            self.hosts.append(host)
+            self.start(host)
+        self.trace(f"world {self.config}")
+
+    def start(self, host: Host) -> None:
+        if host.process is not None and host.process.state in ("running", "stopping"):
+            return
+        config = self.config
+        host.incarnations += 1
+        ctx = contextvars.copy_context()
+        process = Process(host, f"{host.name}.{host.incarnations}", ctx)
+        ctx.run(PROCESS.set, process)
+        host.process = process
+        self.processes.append(process)
+
+        def build() -> None:
+            generator = Generator(config.min_id, clock=host.clock, max_backwards_wait=1.0, block_on_clock=False)
+            generator.set_fence(0, "waiting for a worker id lease")
+            keeper = LeaseKeeper(
+                self.target,
+                config.timings,
+                config.min_id,
+                config.max_id,
+                skew_warn=config.skew_max / 2,
+                skew_max=config.skew_max,
+                start_timeout=3 * config.ttl,
+            )
+            keeper.link.finder = SimFinder(self.redis, process, keeper.link.finder.timeout)  # type: ignore[assignment]
+            process.keeper, process.generator = keeper, generator
+
+        ctx.run(build)
+        assert process.keeper is not None and process.generator is not None
+        task = self.loop.create_task(process.keeper.run(process.generator), context=ctx)
+        task.add_done_callback(lambda t, p=process: self._ended(p, t))
+        process.tasks.append(task)
+        self.trace(f"start {process.name} (clock {host.clock.offset:+.3f}s)")
+
+    def _ended(self, process: Process, task: asyncio.Task[Any]) -> None:
+        if task.cancelled() or process.state != "running":
+            return
+        exc = task.exception()
+        if isinstance(exc, LeaseError):
+            process.state = "exited"
+            process.exit = str(exc)
+            self.stats["exited: " + str(exc).split(":")[0][:60]] += 1
+            self.trace(f"{process.name} exited: {exc}")
+            self.restart_later(process.host, self.rng.uniform(0.5, self.config.ttl))
+            return
+        self.fail(f"{process.name}'s lease keeper died: {exc!r}" if exc else f"{process.name}'s lease keeper returned")
+
+    def restart_later(self, host: Host, delay: float) -> None:
+        when = self.loop.now + delay
+        host.restart_at = when
+
+        def again() -> None:
+            if host.restart_at == when:
+                self.start(host)
+
+        self.loop.call_at(when, again, context=ROOT)
+
+    def crash(self, process: Process) -> None:
+        process.state = "crashed"
+        process.crashed = True
+        process.paused_until = 0.0
+        if process.keeper is not None:
+            process.ctx.run(process.keeper.watch.disarm)
+        for task in process.tasks:
+            task.cancel()
+
+    def stop(self, process: Process) -> None:
+        """A clean stop, as the daemon does it: stop serving, close the generator, release the id with
+        the last millisecond issued (within 1.5 s)."""
+        process.state = "stopping"
+        keeper, generator = process.keeper, process.generator
+        assert keeper is not None and generator is not None
+
+        async def stopping() -> None:
+            with contextlib.suppress(GenerationError):
+                generator.close()
+            last_ms = generator.last_issued_ms or 0
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(keeper.stop(last_ms), 1.5)
+            if process.state == "stopping":
+                process.state = "stopped"
+            self.trace(f"{process.name} stopped")
+
+        process.tasks.append(self.loop.create_task(stopping(), context=process.ctx))
+
+    def fail(self, message: str) -> None:
+        if self.failure is None:
+            self.failure = message
+
+    # -- running -----------------------------------------------------------------------------------
+    def request(self) -> None:
+        live = [h.process for h in self.hosts if h.process is not None and h.process.live]
+        ready = [p for p in live if p.paused_until <= self.loop.now]
+        if not ready:
+            return
+        process = self.rng.choice(ready)
+        generator = process.generator
+        assert generator is not None
+        count = self.rng.choice((1, 1, 1, 2, 5, 10, 100))
+        self.checker.requests += 1
+        try:
+            ids = generator.next_ids(count) if count > 1 else [generator.next_id()]
+        except GenerationError as exc:
+            self.checker.refused[type(exc).__name__] += 1
+            return
+        self.checker.issued(process, ids, self.loop.now)
+        self.digest.update(ids[-1].to_bytes(8, "big"))
+
+    def calm_ended(self) -> None:
+        """At the end of a calm stretch the fleet should serve again: as many daemons as there are ids
+        (or every daemon, if fewer), unless a host's clock is out of bounds or Redis is not back."""
+        live = [h.process for h in self.hosts if h.process is not None and h.process.live]
+        serving = sum(1 for p in live if p.generator is not None and p.generator.check() is None)
+        expected = min(len(live), self.config.max_id - self.config.min_id + 1)
+        self.calm_results["serving" if serving >= expected else "not serving"] += 1
+        if serving < expected:
+            self.trace(f"calm ended with {serving} of {expected} serving")
+
+    async def drive(self) -> None:
+        self.build()
+        rng = self.rng
+        for self.step_no in range(self.steps):
+            roll = rng.random()
+            if roll < 0.5:
+                self.request()
+            else:
+                await asyncio.sleep(rng.uniform(0.001, 0.04))
+            self.faults.step()
+            self.checker.could_issue(self.processes, self.loop.now)
+            if self.failure is not None:
+                raise Violation(self.failure)
+            if self.loop.errors:
+                raise Violation(f"a callback raised: {self.loop.errors[0]}")
+            if self.redis.script_errors:
+                raise Violation(f"a lease script failed in Redis: {self.redis.script_errors[0]}")
+
+    def run(self) -> Result:
+        started = real_time.perf_counter()
+        error: str | None = None
+        with simulated_leasing(self):
+            try:
+                self.loop.run_until_complete(self.drive())
+            except Violation as exc:
+                error = str(exc)
+            finally:
+                self._collect()
+                for process in self.processes:
+                    for task in process.tasks:
+                        task.cancel()
+                with contextlib.suppress(Exception):
+                    self.loop.run_until_complete(asyncio.sleep(0.01))
+                self.loop.close()
+        return Result(
+            seed=self.seed,
+            steps=self.step_no + 1,
+            virtual_seconds=self.loop.now,
+            wall_seconds=real_time.perf_counter() - started,
+            ids=self.checker.ids,
+            requests=self.checker.requests,
+            refused=dict(self.checker.refused),
+            faults=dict(self.faults.counts),
+            stats=dict(self.stats),
+            calm=dict(self.calm_results),
+            scripts=self.redis.scripts,
+            config=self.config,
+            error=error,
+            step_of_error=self.step_no if error else None,
+            digest=self.digest.hexdigest()[:16],
+        )
+
+    def _collect(self) -> None:
+        for process in self.processes:
+            if process.keeper is None:
+                continue
+            s = process.keeper.stats
+            for name in ("acquires", "renewals", "renew_failures", "worker_id_changes", "data_loss_events",
+                         "redis_changes", "kept_through_change", "quarantined_ids", "skipped_live_leases",
+                         "redis_clock_steps", "master_changes", "replica_ack_failures"):
+                self.stats[name] += getattr(s, name)
+
+
+@dataclass
+class Result:
+    seed: int
+    steps: int
+    virtual_seconds: float
+    wall_seconds: float
+    ids: int
+    requests: int
+    refused: dict[str, int]
+    faults: dict[str, int]
+    stats: dict[str, int]
+    calm: dict[str, int]
+    scripts: int
+    config: Config
+    error: str | None
+    step_of_error: int | None
+    digest: str
+
+    def replay(self, script: str = "tests/sim_leasing.py") -> str:
+        return f"python {script} --seed {self.seed} --steps {self.steps} --trace"
+
+
+@contextlib.contextmanager
+def simulated_leasing(sim: Simulation) -> Iterator[None]:
+    """Point the leasing modules' clocks at the simulation (their ``time`` is the running process's
+    host clocks), number tokens and pool epochs, and seed the global ``random`` the keepers jitter with;
+    everything put back afterwards. The production code is not changed: only what it reads."""
+    patched: list[tuple[Any, str, Any]] = []
+
+    def patch(obj: Any, name: str, value: Any) -> None:
+        patched.append((obj, name, getattr(obj, name)))
+        setattr(obj, name, value)
+
+    for info in pkgutil.iter_modules(leasing_pkg.__path__):
+        module = importlib.import_module(f"katsubushi_py.leasing.{info.name}")
+        if getattr(module, "time", None) is real_time:
+            patch(module, "time", SIM_TIME)
+
+    def token() -> str:
+        process = PROCESS.get()
+        process.tokens += 1
+        return f"{process.name}-{process.tokens}"
+
+    def epoch() -> str:
+        sim.epochs += 1
+        return f"epoch-{sim.seed}-{sim.epochs}"
+
+    patch(keeper_module, "new_token", token)
+    patch(keeper_module, "new_epoch", epoch)
+    state = random.getstate()
+    random.seed(sim.seed)
+    level = logging.getLogger("katsubushi_py").level
+    handler: logging.Handler | None = None
+    if sim.tracing:
+        handler = _TraceHandler(sim)
+        logging.getLogger("katsubushi_py").addHandler(handler)
+        logging.getLogger("katsubushi_py").setLevel(logging.INFO)
+    else:
+        logging.getLogger("katsubushi_py").setLevel(logging.CRITICAL + 1)
+    try:
+        yield
+    finally:
+        for obj, name, value in reversed(patched):
+            setattr(obj, name, value)
+        random.setstate(state)
+        logging.getLogger("katsubushi_py").setLevel(level)
+        if handler is not None:
+            logging.getLogger("katsubushi_py").removeHandler(handler)
+
+
+class _TraceHandler(logging.Handler):
+    def __init__(self, sim: Simulation) -> None:
+        super().__init__()
+        self.sim = sim
+
+    def emit(self, record: logging.LogRecord) -> None:
+        process = PROCESS.get()
+        who = process.name if process is not None else "-"
+        self.sim.trace(f"[{who}] {record.levelname} {record.getMessage()}")
+
+
+# -- running worlds ------------------------------------------------------------------------------------
+@contextlib.contextmanager
+def backend() -> Iterator[Backend]:
+    """A redis-server of our own (no persistence, 16 databases, a unix socket) for the scripts."""
+    from redis_servers import start_redis
+
+    with tempfile.TemporaryDirectory(prefix="kp-sim-") as tmp:
+        sock = os.path.join(tmp, "redis.sock")
+        server = start_redis(Path(tmp), "--unixsocket", sock, "--unixsocketperm", "700", "--databases", "16")
+        try:
+            b = Backend(sock)
+            try:
+                yield b
+            finally:
+                b.close()
+        finally:
+            server.stop()
+
+
+def run_seeds(seeds: list[int], steps: int, trace: bool = False, out: Any = None) -> list[Result]:
+    results = []
+    with backend() as b:
+        for seed in seeds:
+            result = Simulation(seed, steps, b, trace=trace).run()
+            results.append(result)
+            if out is not None:
+                print(summary_line(result), file=out, flush=True)
+    return results
+
+
+def summary_line(r: Result) -> str:
+    c = r.config
+    world = (f"{c.hosts} hosts, ids {c.min_id}..{c.max_id}, {c.replicas} replicas"
+             f"{' acks=0' if c.replica_acks == 0 else ''}, ttl {c.ttl:g}s, skew {c.skew_max:g}s")
+    head = f"seed {r.seed}: {'FAILED' if r.error else 'ok'} ({world})"
+    body = (f"{r.steps} steps, {r.virtual_seconds:.0f}s simulated in {r.wall_seconds:.1f}s, {r.ids} IDs,"
+            f" {sum(r.faults.values())} faults, {r.scripts} scripts, digest {r.digest}")
+    if r.error:
+        return f"{head}\n  at step {r.step_of_error}: {r.error}\n  replay: {r.replay()}"
+    return f"{head}: {body}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
+    parser.add_argument("--seed", type=int, help="run this one seed (a failure prints it)")
+    parser.add_argument("--seeds", type=int, default=10, help="how many seeds to run (default 10)")
+    parser.add_argument("--first-seed", type=int, help="the first of --seeds consecutive seeds (default: random)")
+    parser.add_argument("--steps", type=int, default=5000, help="steps per seed (default 5000)")
+    parser.add_argument("--trace", action="store_true", help="print every fault, daemon event and log line")
+    parser.add_argument("--json", help="write the results as JSON here")
+    args = parser.parse_args(argv)
+    if args.seed is not None:
+        seeds = [args.seed]
+    else:
+        first = args.first_seed if args.first_seed is not None else random.SystemRandom().randrange(1, 10**9)
+        seeds = list(range(first, first + args.seeds))
+    started = real_time.perf_counter()
+    results = run_seeds(seeds, args.steps, trace=args.trace, out=sys.stdout)
+    failed = [r for r in results if r.error]
+    total_steps = sum(r.steps for r in results)
+    faults: Counter[str] = Counter()
+    stats: Counter[str] = Counter()
+    calm: Counter[str] = Counter()
+    for r in results:
+        faults.update(r.faults)
+        stats.update(r.stats)
+        calm.update(r.calm)
+    elapsed = real_time.perf_counter() - started
+    print(f"\n{len(results)} seeds ({seeds[0]}..{seeds[-1]}), {total_steps} steps, "
+          f"{sum(r.virtual_seconds for r in results):.0f}s simulated, {sum(r.ids for r in results)} IDs, "
+          f"{sum(faults.values())} faults in {elapsed:.0f}s ({total_steps / elapsed:.0f} steps/s); "
+          f"{len(failed)} failed")
+    print("faults: " + ", ".join(f"{k} {v}" for k, v in sorted(faults.items())))
+    print("keepers: " + ", ".join(f"{k} {v}" for k, v in sorted(stats.items())))
+    print("calm stretches: " + ", ".join(f"{k} {v}" for k, v in sorted(calm.items())))
+    if args.json:
+        import json
+        from dataclasses import asdict
+
+        Path(args.json).write_text(json.dumps([asdict(r) for r in results], indent=1))
+    for r in failed:
+        print(f"FAILED seed {r.seed} at step {r.step_of_error}: {r.error}\n  replay: {r.replay()}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
