@@ -54,6 +54,7 @@ import logging
 import os
 import pkgutil
 import random
+import re
 import sys
 import tempfile
 import time as real_time
@@ -120,7 +121,7 @@ class Config:
             ttl=rng.choice((3.0, 4.5, 6.0)),
             skew_max=rng.choice((0.25, 0.5, 1.0)),
             init_pool=rng.random() < 0.7,
-            fault_rate=rng.uniform(0.002, 0.008),
+            fault_rate=rng.uniform(0.02, 0.06),
         )
 
 
@@ -214,23 +215,35 @@ class Checker:
 
 
 class Faults:
-    """What can go wrong, and when: storms (faults at ``config.fault_rate`` per step) and calm stretches
-    (none, for long enough that the fleet serves again: two recovery windows and a ttl)."""
+    """What can go wrong, and when: storms (faults at ``config.fault_rate`` per step, for 150 to 600
+    steps) and calm stretches (no new fault, every clock put right, and long enough after the last
+    fault played out that the fleet serves again: a recovery window, a ttl and a renew interval).
+
+    Topology faults (a Redis restart, a failover, two masters) are exclusive: one plays out to its end
+    (the node back, the old master rejoined, the partition healed) before the next may start; the
+    others (daemons, clocks, the network, records, replicas) overlap freely."""
+
+    TOPOLOGY = ("restart", "failover", "two_masters")
 
     def __init__(self, sim: Simulation) -> None:
         self.sim = sim
         self.rng = sim.rng
         self.counts: Counter[str] = Counter()
         self.phase = "calm"  # the world starts calm: the fleet leases its ids first
+        self.storms = 0
         self.storm_until_step = 0
-        self.calm_until = 2 * sim.config.recovery + sim.config.ttl
+        self.calm_until = sim.config.recovery + sim.config.ttl
         self.settled_at = 0.0  # true time by which every fault so far has played out
-        self.topology_busy = False  # a restart, failover or partition in progress: one at a time
+        self.topology_busy: str | None = None  # the topology fault in progress: one at a time
 
     def weights(self) -> dict[str, float]:
         sim, config = self.sim, self.sim.config
-        has_replicas = any(n.role == "replica" and n.up for n in sim.redis.nodes)
-        topology = sim.redis.master is not None and sim.redis.partitioned is None and not self.topology_busy
+        redis = sim.redis
+        master = redis.master
+        has_replicas = master is not None and any(
+            n.role == "replica" and n.up and n.master is master for n in redis.nodes
+        )
+        topology = master is not None and master.up and redis.partitioned is None and self.topology_busy is None
         w = {
             "pause": 3.0,
             "crash": 2.0,
@@ -240,11 +253,11 @@ class Faults:
             "redis_clock": 1.5,
             "restart": 1.0 if topology else 0.0,
             "failover": 1.0 if has_replicas and topology else 0.0,
-            "two_masters": 0.5 if has_replicas and topology and config.replica_acks is None else 0.0,
-            "replica_link": 1.0 if has_replicas else 0.0,
-            "slow_replica": 0.5 if has_replicas else 0.0,
-            "redis_pause": 1.0 if sim.redis.master is not None else 0.0,
-            "damage": 1.5,
+            "two_masters": 0.7 if has_replicas and topology and config.replica_acks is None else 0.0,
+            "replica_link": 1.0 if any(n.role == "replica" and n.up and n.link_up for n in redis.nodes) else 0.0,
+            "slow_replica": 0.5 if any(n.role == "replica" for n in redis.nodes) else 0.0,
+            "redis_pause": 1.0 if master is not None and master.up else 0.0,
+            "damage": 1.5 if master is not None and master.up else 0.0,
             "net": 2.0,
             "lost_replies": 1.0,
         }
@@ -256,19 +269,48 @@ class Faults:
         if self.phase == "storm":
             if sim.step_no >= self.storm_until_step:
                 self.phase = "calm"
-                self.calm_until = max(now, self.settled_at) + 2 * sim.config.recovery + 2 * sim.config.ttl
+                self.calm_until = self.settled_at  # then: every clock right, and the recovery (below)
+                sim.trace(f"calm (storm {self.storms} over)")
             elif self.rng.random() < sim.config.fault_rate:
                 weights = self.weights()
                 kind = self.rng.choices(list(weights), list(weights.values()))[0]
                 getattr(self, kind)()
-        elif now >= max(self.calm_until, self.settled_at + 2 * sim.config.recovery + 2 * sim.config.ttl):
-            sim.calm_ended()
+            return
+        if self.calm_until <= self.settled_at:
+            # The last storm's faults have played out (or will, by settled_at): once they have, NTP puts
+            # every clock right, and the calm goes on until the fleet has had time to serve again.
+            if now < self.settled_at:
+                return
+            self.put_clocks_right()
+            config = sim.config
+            self.calm_until = now + config.recovery + config.ttl + config.timings.renew + 1.0
+            return
+        if now >= self.calm_until:
+            if self.storms:
+                sim.calm_ended()
             self.phase = "storm"
-            self.storm_until_step = sim.step_no + self.rng.randint(300, 3000)
+            self.storms += 1
+            self.storm_until_step = sim.step_no + self.rng.randint(150, 600)
+            sim.trace(f"storm {self.storms}")
+
+    def put_clocks_right(self) -> None:
+        """NTP on every host and node: clocks within a fifth (Redis) and two fifths (hosts) of the
+        allowed skew of true time, so any daemon's within the skew of any node's."""
+        skew = self.sim.config.skew_max
+        for node in self.sim.redis.nodes:
+            if abs(node.clock_offset) > 0.2 * skew:
+                node.clock_offset = self.rng.uniform(-0.2, 0.2) * skew
+        for host in self.sim.hosts:
+            if abs(host.clock.offset) > 0.4 * skew:
+                host.clock.step(self.rng.uniform(-0.4, 0.4) * skew - host.clock.offset)
 
     def _busy(self, seconds: float) -> None:
         """This fault plays out for ``seconds`` from now."""
         self.settled_at = max(self.settled_at, self.sim.loop.now + seconds)
+
+    def _topology_done(self) -> None:
+        self.topology_busy = None
+        self._busy(0.0)
 
     def _event(self, kind: str, what: str) -> None:
         self.counts[kind] += 1
@@ -279,6 +321,7 @@ class Faults:
         return self.rng.choice(live) if live else None
 
     def _later(self, delay: float, callback: Any, *args: Any) -> None:
+        self._busy(delay)
         self.sim.loop.call_at(self.sim.loop.now + delay, callback, *args, context=ROOT)
 
     # -- daemons -------------------------------------------------------------------------------------
@@ -289,6 +332,7 @@ class Faults:
         ttl = self.sim.config.ttl
         length = self.rng.choice((self.rng.uniform(0.05, 0.5), self.rng.uniform(0.5, ttl), self.rng.uniform(ttl, 3 * ttl)))
         process.paused_until = max(process.paused_until, self.sim.loop.now + length)
+        self._busy(length)
         self._event("pause", f"{process.name} for {length:.3f}s")
 
     def crash(self) -> None:
@@ -297,7 +341,9 @@ class Faults:
             return
         self._event("crash", process.name)
         self.sim.crash(process)
-        self.sim.restart_later(process.host, self.rng.uniform(0.1, 2 * self.sim.config.ttl))
+        delay = self.rng.uniform(0.1, 2 * self.sim.config.ttl)
+        self._busy(delay)
+        self.sim.restart_later(process.host, delay)
 
     def stop(self) -> None:
         process = self._process()
@@ -305,7 +351,9 @@ class Faults:
             return
         self._event("stop", process.name)
         self.sim.stop(process)
-        self.sim.restart_later(process.host, self.rng.uniform(0.0, self.sim.config.ttl))
+        delay = self.rng.uniform(0.0, self.sim.config.ttl)
+        self._busy(delay + 1.5)
+        self.sim.restart_later(process.host, delay)
 
     def host_clock(self) -> None:
         host = self.rng.choice(self.sim.hosts)
@@ -341,11 +389,13 @@ class Faults:
         down = rng.choice((rng.uniform(0.01, 0.5), rng.uniform(0.5, ttl), rng.uniform(ttl, 2 * ttl)))
         dumps = tuple(None for _ in redis.keys) if mode == "flush" else redis.state_at(node, redis.loop.now - age)
         redis.stop_node(node)
+        self.topology_busy = "restart"
         self._event("restart", f"{node.name} ({mode}, snapshot {age:.3f}s old, down {down:.3f}s)")
 
         def back() -> None:
             redis.start_node(node, dumps)
             self.sim.trace(f"{node.name} back (run_id {node.run_id[:8]})")
+            self._topology_done()
 
         self._later(down, back)
 
@@ -360,10 +410,13 @@ class Faults:
         cut = rng.uniform(0.05, 2.0) if lag else 0.0
         if lag:
             chosen.link_up = False
+        self.topology_busy = "failover"
         self._event("failover", f"{old.name} -> {chosen.name}" + (f" (its link cut {cut:.3f}s before)" if lag else ""))
 
         def kill() -> None:
             if redis.master is not old or not old.up:
+                chosen.link_up = True
+                self._topology_done()
                 return
             redis.stop_node(old)
             redis.master = None
@@ -377,6 +430,7 @@ class Faults:
                 if redis.master is None:
                     redis.start_node(old, redis.state_at(old, redis.loop.now))
                     redis.master = old
+                self._topology_done()
                 return
             chosen.link_up = True
             redis.promote(chosen)
@@ -384,12 +438,12 @@ class Faults:
             self._later(rng.uniform(1.0, 4 * self.sim.config.ttl), rejoin)
 
         def rejoin() -> None:
-            if old.up or redis.master is None:
-                return
-            old.role = "replica"
-            old.master = redis.master
-            redis.start_node(old, tuple(None for _ in redis.keys))
-            self.sim.trace(f"{old.name} back as a replica of {redis.master.name}")
+            if not old.up and redis.master is not None:
+                old.role = "replica"
+                old.master = redis.master
+                redis.start_node(old, tuple(None for _ in redis.keys))
+                self.sim.trace(f"{old.name} back as a replica of {redis.master.name}")
+            self._topology_done()
 
         self._later(cut, kill)
 
@@ -410,6 +464,7 @@ class Faults:
             redis.pinned[process] = old
         redis.partitioned = old
         redis.master = None
+        self.topology_busy = "two_masters"
         length = rng.uniform(0.5 * sim.config.ttl, 4 * sim.config.ttl)
         self._event("two_masters", f"{old.name} cut off with {[p.name for p in stuck]}; {chosen.name} promoted; {length:.3f}s")
 
@@ -423,6 +478,7 @@ class Faults:
             redis.partitioned = None
             new = redis.master
             if new is None:
+                self._topology_done()
                 return
             if old.up:
                 redis.demote(old, new)
@@ -430,6 +486,7 @@ class Faults:
                 if replica is not new and replica.up and replica.master is not new:
                     redis.attach(replica, new)
             sim.trace(f"partition healed: {old.name} now a replica of {new.name}")
+            self._topology_done()
 
         self._later(rng.uniform(0.2, 0.5 * sim.config.ttl), promote)
         self._later(length, heal)
@@ -463,6 +520,7 @@ class Faults:
             return
         length = self.rng.choice((self.rng.uniform(0.05, 1.0), self.rng.uniform(1.0, 2 * self.sim.config.ttl)))
         node.paused_until = max(node.paused_until, self.sim.loop.now + length)
+        self._busy(length)
         self._event("redis_pause", f"{node.name} for {length:.3f}s")
 
     def damage(self) -> None:
@@ -499,6 +557,7 @@ class Faults:
             return
         length = self.rng.choice((self.rng.uniform(0.05, 1.0), self.rng.uniform(1.0, 2 * self.sim.config.ttl)))
         process.net_down_until = max(process.net_down_until, self.sim.loop.now + length)
+        self._busy(length)
         self._event("net", f"{process.name} cut off from Redis for {length:.3f}s")
 
     def lost_replies(self) -> None:
@@ -608,7 +667,7 @@ class Simulation:
         if isinstance(exc, LeaseError):
             process.state = "exited"
             process.exit = str(exc)
-            self.stats["exited: " + str(exc).split(":")[0][:60]] += 1
+            self.stats["exited: " + re.sub(r"[-+]?\d[\d.]*s?", "N", str(exc).split(":")[0])[:70]] += 1
             self.trace(f"{process.name} exited: {exc}")
             self.restart_later(process.host, self.rng.uniform(0.5, self.config.ttl))
             return
@@ -693,7 +752,8 @@ class Simulation:
             if roll < 0.5:
                 self.request()
             else:
-                await asyncio.sleep(rng.uniform(0.001, 0.04))
+                # Time moves in small ticks in a storm, faster in a calm stretch (fewer steps to recover).
+                await asyncio.sleep(rng.uniform(0.001, 0.04 if self.faults.phase == "storm" else 0.25))
             self.faults.step()
             self.checker.could_issue(self.processes, self.loop.now)
             if self.failure is not None:
