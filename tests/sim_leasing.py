@@ -66,16 +66,16 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from sim_loop import PROCESS, ROOT, SIM_TIME, HostClock, VirtualLoop  # noqa: E402
-from sim_redis import Backend, Node, RedisWorld, SimFinder  # noqa: E402
+from sim_loop import PROCESS, ROOT, SIM_TIME, HostClock, VirtualLoop
+from sim_redis import Backend, RedisWorld, SimFinder
 
-import katsubushi_py.leasing as leasing_pkg  # noqa: E402
-from katsubushi_py.issuing.errors import GenerationError  # noqa: E402
-from katsubushi_py.issuing.generator import Generator  # noqa: E402
-from katsubushi_py.leasing import keeper as keeper_module  # noqa: E402
-from katsubushi_py.leasing.keeper import LeaseKeeper, LeaseTimings  # noqa: E402
-from katsubushi_py.leasing.scripts import INIT_LUA  # noqa: E402
-from katsubushi_py.leasing.target import LeaseError, RedisTarget  # noqa: E402
+import katsubushi_py.leasing as leasing_pkg
+from katsubushi_py.issuing.errors import GenerationError
+from katsubushi_py.issuing.generator import Generator
+from katsubushi_py.leasing import keeper as keeper_module
+from katsubushi_py.leasing.keeper import LeaseKeeper, LeaseTimings
+from katsubushi_py.leasing.scripts import INIT_LUA
+from katsubushi_py.leasing.target import LeaseError, RedisTarget
 
 BASE_UNIX = 1_795_305_600.0  # true time 0: 2026-11-22T00:00:00Z
 WORKER_SHIFT, WORKER_MASK = 12, 1023
@@ -330,7 +330,8 @@ class Faults:
         if process is None:
             return
         ttl = self.sim.config.ttl
-        length = self.rng.choice((self.rng.uniform(0.05, 0.5), self.rng.uniform(0.5, ttl), self.rng.uniform(ttl, 3 * ttl)))
+        rng = self.rng
+        length = rng.choice((rng.uniform(0.05, 0.5), rng.uniform(0.5, ttl), rng.uniform(ttl, 3 * ttl)))
         process.paused_until = max(process.paused_until, self.sim.loop.now + length)
         self._busy(length)
         self._event("pause", f"{process.name} for {length:.3f}s")
@@ -466,7 +467,8 @@ class Faults:
         redis.master = None
         self.topology_busy = "two_masters"
         length = rng.uniform(0.5 * sim.config.ttl, 4 * sim.config.ttl)
-        self._event("two_masters", f"{old.name} cut off with {[p.name for p in stuck]}; {chosen.name} promoted; {length:.3f}s")
+        names = [p.name for p in stuck]
+        self._event("two_masters", f"{old.name} cut off with {names}; {chosen.name} promoted; {length:.3f}s")
 
         def promote() -> None:
             if chosen.up:
@@ -566,7 +568,9 @@ class Faults:
         redis.lost_request_rate = self.rng.uniform(0.0, 0.2)
         redis.slow_rate = self.rng.uniform(0.0, 0.3)
         length = self.rng.uniform(0.5, 3 * self.sim.config.ttl)
-        self._event("lost_replies", f"{redis.lost_reply_rate:.0%} of replies lost, {redis.slow_rate:.0%} late, {length:.3f}s")
+        self._event(
+            "lost_replies", f"{redis.lost_reply_rate:.0%} of replies lost, {redis.slow_rate:.0%} late, {length:.3f}s"
+        )
 
         def end() -> None:
             redis.lost_reply_rate = redis.lost_request_rate = redis.slow_rate = 0.0
@@ -747,7 +751,8 @@ class Simulation:
     async def drive(self) -> None:
         self.build()
         rng = self.rng
-        for self.step_no in range(self.steps):
+        for step_no in range(self.steps):
+            self.step_no = step_no
             roll = rng.random()
             if roll < 0.5:
                 self.request()
@@ -932,7 +937,9 @@ def summary_line(r: Result) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter
+    )
     parser.add_argument("--seed", type=int, help="run this one seed (a failure prints it)")
     parser.add_argument("--seeds", type=int, default=10, help="how many seeds to run (default 10)")
     parser.add_argument("--first-seed", type=int, help="the first of --seeds consecutive seeds (default: random)")

@@ -250,7 +250,7 @@ class RedisWorld:
             return
         if index <= replica.applied:
             return
-        for when, i, dumps in reversed(master.history):
+        for _when, i, dumps in reversed(master.history):
             if i <= index:
                 self.write(replica, dumps)
                 replica.applied = i
