@@ -300,9 +300,11 @@ class Faults:
         for node in self.sim.redis.nodes:
             if abs(node.clock_offset) > 0.2 * skew:
                 node.clock_offset = self.rng.uniform(-0.2, 0.2) * skew
+                self.sim.trace(f"NTP: {node.name}'s clock to {node.clock_offset:+.3f}s")
         for host in self.sim.hosts:
             if abs(host.clock.offset) > 0.4 * skew:
                 host.clock.step(self.rng.uniform(-0.4, 0.4) * skew - host.clock.offset)
+                self.sim.trace(f"NTP: {host.name}'s clock to {host.clock.offset:+.3f}s")
 
     def _busy(self, seconds: float) -> None:
         """This fault plays out for ``seconds`` from now."""
@@ -331,10 +333,14 @@ class Faults:
             return
         ttl = self.sim.config.ttl
         rng = self.rng
-        length = rng.choice((rng.uniform(0.05, 0.5), rng.uniform(0.5, ttl), rng.uniform(ttl, 3 * ttl)))
-        process.paused_until = max(process.paused_until, self.sim.loop.now + length)
+        length = rng.choice((rng.uniform(0.05, 0.5), rng.uniform(0.5, ttl), rng.uniform(ttl, 4 * ttl)))
+        until = max(process.paused_until, self.sim.loop.now + length)
+        process.paused_until = until
         self._busy(length)
         self._event("pause", f"{process.name} for {length:.3f}s")
+        # The requests that waited in its sockets meanwhile are served as it wakes, before any reply
+        # from Redis can reach it (its own callbacks resume a microsecond later: sim_loop's gate).
+        self._later(until - self.sim.loop.now, self.sim.woken, process, until)
 
     def crash(self) -> None:
         process = self._process()
@@ -557,7 +563,9 @@ class Faults:
         process = self._process()
         if process is None:
             return
-        length = self.rng.choice((self.rng.uniform(0.05, 1.0), self.rng.uniform(1.0, 2 * self.sim.config.ttl)))
+        ttl = self.sim.config.ttl
+        rng = self.rng
+        length = rng.choice((rng.uniform(0.05, 1.0), rng.uniform(1.0, ttl), rng.uniform(ttl, 4 * ttl)))
         process.net_down_until = max(process.net_down_until, self.sim.loop.now + length)
         self._busy(length)
         self._event("net", f"{process.name} cut off from Redis for {length:.3f}s")
@@ -720,12 +728,13 @@ class Simulation:
             self.failure = message
 
     # -- running -----------------------------------------------------------------------------------
-    def request(self) -> None:
-        live = [h.process for h in self.hosts if h.process is not None and h.process.live]
-        ready = [p for p in live if p.paused_until <= self.loop.now]
-        if not ready:
-            return
-        process = self.rng.choice(ready)
+    def request(self, process: Process | None = None) -> None:
+        if process is None:
+            live = [h.process for h in self.hosts if h.process is not None and h.process.live]
+            ready = [p for p in live if p.paused_until <= self.loop.now]
+            if not ready:
+                return
+            process = self.rng.choice(ready)
         generator = process.generator
         assert generator is not None
         count = self.rng.choice((1, 1, 1, 2, 5, 10, 100))
@@ -737,6 +746,13 @@ class Simulation:
             return
         self.checker.issued(process, ids, self.loop.now)
         self.digest.update(ids[-1].to_bytes(8, "big"))
+
+    def woken(self, process: Process, until: float) -> None:
+        """A paused daemon wakes: it serves the requests that queued up meanwhile (one to three)."""
+        if process.paused_until != until or not process.live:
+            return
+        for _ in range(self.rng.randint(1, 3)):
+            self.request(process)
 
     def calm_ended(self) -> None:
         """At the end of a calm stretch the fleet should serve again: as many daemons as there are ids
@@ -892,6 +908,30 @@ class _TraceHandler(logging.Handler):
         process = PROCESS.get()
         who = process.name if process is not None else "-"
         self.sim.trace(f"[{who}] {record.levelname} {record.getMessage()}")
+
+
+# -- planted bugs: the simulator must find them (tests/test_sim_leasing.py) --------------------------------
+@contextlib.contextmanager
+def planted_bug(name: str | None) -> Iterator[None]:
+    """Break the production code on purpose, to show the simulation finds the break: ``no-fence`` (the
+    generator ignores its lease deadline: a daemon paused or cut off past its lease keeps issuing),
+    ``no-quarantine`` (an id whose lease ended without a release is taken at once, as if released)."""
+    if name is None:
+        yield
+        return
+    if name == "no-fence":
+        original = Generator.set_fence
+
+        def set_fence(self: Generator, deadline_ns: int | None, reason: str | None = None) -> None:
+            original(self, None if deadline_ns else deadline_ns, reason)
+
+        Generator.set_fence = set_fence  # type: ignore[method-assign]
+        try:
+            yield
+        finally:
+            Generator.set_fence = original  # type: ignore[method-assign]
+        return
+    raise ValueError(f"no planted bug called {name!r}: no-fence")
 
 
 # -- running worlds ------------------------------------------------------------------------------------

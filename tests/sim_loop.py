@@ -108,7 +108,10 @@ class VirtualLoop(asyncio.SelectorEventLoop):
         if cell[0].cancelled():  # cancelled while it was held back
             return
         if process.paused_until > self.now:
-            super().call_at(process.paused_until, self._gated, process, cell, ctx, callback, args, context=ctx)
+            # Resumed a microsecond after the pause ends: what waited in its sockets (the requests the
+            # simulator serves at the end of the pause) comes first, as asyncio runs I/O before timers.
+            resume = process.paused_until + 1e-6
+            super().call_at(resume, self._gated, process, cell, ctx, callback, args, context=ctx)
             return
         callback(*args)
 
