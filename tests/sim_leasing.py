@@ -223,7 +223,10 @@ class Faults:
     (the node back, the old master rejoined, the partition healed) before the next may start; the
     others (daemons, clocks, the network, records, replicas) overlap freely."""
 
-    TOPOLOGY = ("restart", "failover", "two_masters")
+    KINDS = (
+        "pause", "crash", "stop", "host_clock", "host_ntp", "redis_clock", "restart", "failover", "two_masters",
+        "replica_link", "slow_replica", "redis_pause", "damage", "net", "lost_replies",
+    )
 
     def __init__(self, sim: Simulation) -> None:
         self.sim = sim
@@ -816,6 +819,7 @@ class Simulation:
             error=error,
             step_of_error=self.step_no if error else None,
             digest=self.digest.hexdigest()[:16],
+            planted=_PLANTED,
         )
 
     def _collect(self) -> None:
@@ -846,9 +850,11 @@ class Result:
     error: str | None
     step_of_error: int | None
     digest: str
+    planted: str | None = None
 
     def replay(self, script: str = "tests/sim_leasing.py") -> str:
-        return f"python {script} --seed {self.seed} --steps {self.steps} --trace"
+        plant = f" --plant {self.planted}" if self.planted else ""
+        return f"python {script} --seed {self.seed} --steps {self.steps}{plant} --trace"
 
 
 @contextlib.contextmanager
@@ -915,10 +921,27 @@ class _TraceHandler(logging.Handler):
 def planted_bug(name: str | None) -> Iterator[None]:
     """Break the production code on purpose, to show the simulation finds the break: ``no-fence`` (the
     generator ignores its lease deadline: a daemon paused or cut off past its lease keeps issuing),
-    ``no-quarantine`` (an id whose lease ended without a release is taken at once, as if released)."""
+    ``wall-clock-check`` (the start-up clock check reads the wall clock as it is now, not the generator's
+    clock: the bug seed 1 found, fixed in keeper.check_clock)."""
+    global _PLANTED
     if name is None:
         yield
         return
+    if name not in PLANTED_BUGS:
+        raise ValueError(f"no planted bug called {name!r}: {', '.join(PLANTED_BUGS)}")
+    _PLANTED = name
+    try:
+        with _plant(name):
+            yield
+    finally:
+        _PLANTED = None
+
+
+_PLANTED: str | None = None
+
+
+@contextlib.contextmanager
+def _plant(name: str) -> Iterator[None]:
     if name == "no-fence":
         original = Generator.set_fence
 
@@ -931,7 +954,26 @@ def planted_bug(name: str | None) -> Iterator[None]:
         finally:
             Generator.set_fence = original  # type: ignore[method-assign]
         return
-    raise ValueError(f"no planted bug called {name!r}: no-fence")
+    if name == "wall-clock-check":
+        check = LeaseKeeper.check_clock
+
+        async def check_clock(self: LeaseKeeper) -> float:
+            generator, self.generator = self.generator, None  # the keeper falls back on time.time()
+            try:
+                return await check(self)
+            finally:
+                self.generator = generator
+
+        LeaseKeeper.check_clock = check_clock  # type: ignore[method-assign]
+        try:
+            yield
+        finally:
+            LeaseKeeper.check_clock = check  # type: ignore[method-assign]
+        return
+    raise ValueError(f"no planted bug called {name!r}: {', '.join(PLANTED_BUGS)}")
+
+
+PLANTED_BUGS = ("no-fence", "wall-clock-check")
 
 
 # -- running worlds ------------------------------------------------------------------------------------
@@ -986,6 +1028,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=5000, help="steps per seed (default 5000)")
     parser.add_argument("--trace", action="store_true", help="print every fault, daemon event and log line")
     parser.add_argument("--json", help="write the results as JSON here")
+    parser.add_argument("--plant", choices=PLANTED_BUGS, help="break the production code on purpose (see planted_bug)")
     args = parser.parse_args(argv)
     if args.seed is not None:
         seeds = [args.seed]
@@ -993,7 +1036,8 @@ def main(argv: list[str] | None = None) -> int:
         first = args.first_seed if args.first_seed is not None else random.SystemRandom().randrange(1, 10**9)
         seeds = list(range(first, first + args.seeds))
     started = real_time.perf_counter()
-    results = run_seeds(seeds, args.steps, trace=args.trace, out=sys.stdout)
+    with planted_bug(args.plant):
+        results = run_seeds(seeds, args.steps, trace=args.trace, out=sys.stdout)
     failed = [r for r in results if r.error]
     total_steps = sum(r.steps for r in results)
     faults: Counter[str] = Counter()

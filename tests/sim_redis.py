@@ -6,7 +6,7 @@ would do around them (its clock, its identity, replicas, restarts, failovers, th
 every record check, quarantine and doubt window is Redis's own Lua and Redis's own data structures. The
 scripts read their environment in exactly three places, ``redis.call('TIME')``, ``redis.call('INFO',
 'server')`` and ``redis.call('INFO', 'replication')``; :func:`simulated` replaces those three calls
-(and nothing else: tests/test_leasing_sim.py checks it) by reads of a hash the simulator writes before
+(and nothing else: tests/test_sim_leasing.py checks it) by reads of a hash the simulator writes before
 each script, holding the node's simulated clock and the backend's real INFO text with the node's
 simulated ``run_id``, ``master_replid`` and ``connected_slaves``. The rest of each script is byte for
 byte the production one.
