@@ -73,6 +73,7 @@ import katsubushi_py.leasing as leasing_pkg
 from katsubushi_py.issuing.errors import GenerationError
 from katsubushi_py.issuing.generator import Generator
 from katsubushi_py.leasing import keeper as keeper_module
+from katsubushi_py.leasing import link as link_module
 from katsubushi_py.leasing.keeper import LeaseKeeper, LeaseTimings
 from katsubushi_py.leasing.scripts import INIT_LUA
 from katsubushi_py.leasing.target import LeaseError, RedisTarget
@@ -103,6 +104,12 @@ class Config:
     @property
     def timings(self) -> LeaseTimings:
         return LeaseTimings(ttl=self.ttl, renew=self.ttl / 3, delay=2 * self.ttl / 3)
+
+    @property
+    def replica_recount(self) -> float:
+        """How often the daemons ask a master for its replica count: 60 s in production, 3 ttl here (the
+        rule is the same; a shorter interval reaches two-masters faults more often)."""
+        return 3 * self.ttl
 
     @property
     def recovery(self) -> float:
@@ -156,12 +163,26 @@ class Process:
         return self.state == "running"
 
 
+def _ms_of(id_: int) -> str:
+    """An ID's millisecond, as true time of the simulation (seconds)."""
+    return f"t={((id_ >> 22) + 1_420_070_400_000) / 1000 - BASE_UNIX:.3f}"
+
+
+def _clock_of(process: Process, now: float) -> str:
+    """How far the process's generator clock is from true time."""
+    generator = process.generator
+    if generator is None:
+        return "?"
+    return f"{generator.now_ms() / 1000 - BASE_UNIX - now:+.3f}s"
+
+
 class Checker:
     """The invariants over every ID issued, and over who could issue at each step."""
 
     def __init__(self) -> None:
         self.seen: set[int] = set()
         self.last: dict[int, int] = {}  # worker id -> the last ID issued under it
+        self.last_by: dict[int, str] = {}  # worker id -> who issued it, when (true time), with what clock
         self.owner: dict[int, str] = {}  # worker id -> the lease token that issued under it last
         self.retired: set[tuple[int, str]] = set()
         self.ids = 0
@@ -187,8 +208,12 @@ class Checker:
             raise Violation(f"DUPLICATE: {process.name} issued an ID issued before (one of {dup[:3]}...)")
         last = self.last.get(worker)
         if last is not None and ids[0] <= last:
-            raise Violation(f"{process.name} issued {ids[0]} under worker id {worker} after {last} was issued")
+            raise Violation(
+                f"{process.name} issued {ids[0]} under worker id {worker} ({_ms_of(ids[0])}, clock"
+                f" {_clock_of(process, now)}) after {last} ({_ms_of(last)}) was issued by {self.last_by[worker]}"
+            )
         self.last[worker] = ids[-1]
+        self.last_by[worker] = f"{process.name} at {now:.3f} (clock {_clock_of(process, now)})"
         owner = self.owner.get(worker)
         if owner != token:
             if (worker, token) in self.retired:
@@ -225,7 +250,7 @@ class Faults:
 
     KINDS = (
         "pause", "crash", "stop", "host_clock", "host_ntp", "redis_clock", "restart", "failover", "two_masters",
-        "replica_link", "slow_replica", "redis_pause", "damage", "net", "lost_replies",
+        "replica_link", "slow_replica", "redis_pause", "damage", "net", "lost_replies", "reboot",
     )
 
     def __init__(self, sim: Simulation) -> None:
@@ -247,16 +272,28 @@ class Faults:
             n.role == "replica" and n.up and n.master is master for n in redis.nodes
         )
         topology = master is not None and master.up and redis.partitioned is None and self.topology_busy is None
+        if master is not None and not sim.known_gaps:
+            # A replica is waited for once the daemons have counted it, within a minute of its joining
+            # (docs/leasing.md; here within Config.replica_recount); two masters before that are the known
+            # gap (--known-gaps).
+            settled = config.replica_recount + 2 * config.ttl
+            if any(sim.loop.now - master.joined.get(n.name, sim.loop.now) < settled for n in master.replicas):
+                has_two_masters_replicas = False
+            else:
+                has_two_masters_replicas = has_replicas
+        else:
+            has_two_masters_replicas = has_replicas
         w = {
             "pause": 3.0,
             "crash": 2.0,
             "stop": 2.0,
             "host_clock": 1.5,
             "host_ntp": 1.0,
+            "reboot": 1.0,
             "redis_clock": 1.5,
             "restart": 1.0 if topology else 0.0,
             "failover": 1.0 if has_replicas and topology else 0.0,
-            "two_masters": 0.7 if has_replicas and topology and config.replica_acks is None else 0.0,
+            "two_masters": 2.0 if has_two_masters_replicas and topology and config.replica_acks is None else 0.0,
             "replica_link": 1.0 if any(n.role == "replica" and n.up and n.link_up for n in redis.nodes) else 0.0,
             "slow_replica": 0.5 if any(n.role == "replica" for n in redis.nodes) else 0.0,
             "redis_pause": 1.0 if master is not None and master.up else 0.0,
@@ -373,11 +410,41 @@ class Faults:
         host.clock.step(step)
         self._event("host_clock", f"{host.name} {step:+.3f}s")
 
+    def reboot(self) -> None:
+        """A host reboots with its clock off (no RTC battery, a VM restored), and its daemon starts before
+        NTP has synced and before the network is up; NTP then steps the clock right while the daemon is
+        still connecting. The daemon must judge the clock its IDs carry (the generator's, taken at its
+        start), not the wall clock as it reads when Redis answers at last."""
+        sim, rng = self.sim, self.rng
+        host = rng.choice(sim.hosts)
+        if host.process is not None and host.process.state in ("running", "stopping"):
+            sim.crash(host.process)
+        step = rng.choice((-1, 1)) * rng.uniform(2 * sim.config.skew_max, 30.0)
+        host.clock.step(step - host.clock.offset)
+        host.restart_at = -1.0  # any restart already planned is this one
+        sim.start(host)
+        process = host.process
+        if process is None or not process.live:
+            return
+        network = rng.uniform(0.3, 3.0)
+        process.net_down_until = sim.loop.now + network
+        ntp = rng.uniform(0.1, 0.9) * network
+
+        def synced() -> None:
+            host.clock.step(rng.uniform(-0.4, 0.4) * sim.config.skew_max - host.clock.offset)
+            sim.trace(f"NTP: {host.name}'s clock to {host.clock.offset:+.3f}s")
+
+        what = f"{host.name} with its clock {step:+.3f}s off; NTP in {ntp:.3f}s, network in {network:.3f}s"
+        self._event("reboot", what)
+        self._later(ntp, synced)
+        self._busy(network)
+
     def host_ntp(self) -> None:
-        """NTP puts a host's wall clock back within half the allowed skew of the master's."""
+        """NTP puts a host's wall clock back within two fifths of the allowed skew of true time (NTP
+        follows true time, not Redis's clock: a host synced to a Redis clock that is off is outside the
+        conditions the guarantees hold under; see Simulation.start)."""
         host = self.rng.choice(self.sim.hosts)
-        master = self.sim.redis.master or self.sim.redis.nodes[0]
-        target = master.clock_offset + self.rng.uniform(-0.5, 0.5) * self.sim.config.skew_max
+        target = self.rng.uniform(-0.4, 0.4) * self.sim.config.skew_max
         host.clock.step(target - host.clock.offset)
         self._event("host_ntp", f"{host.name} to {target:+.3f}s")
 
@@ -592,9 +659,12 @@ class Faults:
 class Simulation:
     """One world, from its seed."""
 
-    def __init__(self, seed: int, steps: int, backend: Backend, trace: bool = False) -> None:
+    def __init__(
+        self, seed: int, steps: int, backend: Backend, trace: bool = False, known_gaps: bool = False
+    ) -> None:
         self.seed = seed
         self.steps = steps
+        self.known_gaps = known_gaps  # let the faults reach the documented gaps (they then fail)
         self.rng = random.Random(seed)
         self.config = Config.draw(self.rng)
         self.loop = VirtualLoop()
@@ -646,6 +716,16 @@ class Simulation:
         if host.process is not None and host.process.state in ("running", "stopping"):
             return
         config = self.config
+        master = self.redis.master
+        off = abs(host.clock.offset) > config.skew_max
+        together = master is not None and abs(host.clock.offset - master.clock_offset) < 2 * config.skew_max
+        if off and together and not self.known_gaps:
+            # The host's clock is off true time, and Redis's is off with it: the daemon's own check cannot
+            # tell, and the guarantees assume every daemon's clock within the skew of true time. The
+            # operator's start waits for NTP (systemd's time-sync.target, `chronyc waitsync`): so here.
+            self.stats["starts held: host and Redis clocks off together"] += 1
+            self.restart_later(host, 1.0)
+            return
         host.incarnations += 1
         ctx = contextvars.copy_context()
         process = Process(host, f"{host.name}.{host.incarnations}", ctx)
@@ -755,7 +835,11 @@ class Simulation:
         if process.paused_until != until or not process.live:
             return
         for _ in range(self.rng.randint(1, 3)):
-            self.request(process)
+            try:
+                self.request(process)
+            except Violation as exc:
+                self.fail(str(exc))
+                return
 
     def calm_ended(self) -> None:
         """At the end of a calm stretch the fleet should serve again: as many daemons as there are ids
@@ -820,6 +904,7 @@ class Simulation:
             step_of_error=self.step_no if error else None,
             digest=self.digest.hexdigest()[:16],
             planted=_PLANTED,
+            known_gaps=self.known_gaps,
         )
 
     def _collect(self) -> None:
@@ -851,9 +936,11 @@ class Result:
     step_of_error: int | None
     digest: str
     planted: str | None = None
+    known_gaps: bool = False
 
     def replay(self, script: str = "tests/sim_leasing.py") -> str:
         plant = f" --plant {self.planted}" if self.planted else ""
+        plant += " --known-gaps" if self.known_gaps else ""
         return f"python {script} --seed {self.seed} --steps {self.steps}{plant} --trace"
 
 
@@ -882,6 +969,7 @@ def simulated_leasing(sim: Simulation) -> Iterator[None]:
         sim.epochs += 1
         return f"epoch-{sim.seed}-{sim.epochs}"
 
+    patch(link_module, "_REPLICA_CHECK_INTERVAL", sim.config.replica_recount)
     patch(keeper_module, "new_token", token)
     patch(keeper_module, "new_epoch", epoch)
     state = random.getstate()
@@ -995,11 +1083,13 @@ def backend() -> Iterator[Backend]:
             server.stop()
 
 
-def run_seeds(seeds: list[int], steps: int, trace: bool = False, out: Any = None) -> list[Result]:
+def run_seeds(
+    seeds: list[int], steps: int, trace: bool = False, out: Any = None, known_gaps: bool = False
+) -> list[Result]:
     results = []
     with backend() as b:
         for seed in seeds:
-            result = Simulation(seed, steps, b, trace=trace).run()
+            result = Simulation(seed, steps, b, trace=trace, known_gaps=known_gaps).run()
             results.append(result)
             if out is not None:
                 print(summary_line(result), file=out, flush=True)
@@ -1028,6 +1118,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=5000, help="steps per seed (default 5000)")
     parser.add_argument("--trace", action="store_true", help="print every fault, daemon event and log line")
     parser.add_argument("--json", help="write the results as JSON here")
+    parser.add_argument("--known-gaps", action="store_true",
+                        help="let faults reach the documented gaps (docs/guarantees.md): runs may then fail")
     parser.add_argument("--plant", choices=PLANTED_BUGS, help="break the production code on purpose (see planted_bug)")
     args = parser.parse_args(argv)
     if args.seed is not None:
@@ -1037,7 +1129,7 @@ def main(argv: list[str] | None = None) -> int:
         seeds = list(range(first, first + args.seeds))
     started = real_time.perf_counter()
     with planted_bug(args.plant):
-        results = run_seeds(seeds, args.steps, trace=args.trace, out=sys.stdout)
+        results = run_seeds(seeds, args.steps, trace=args.trace, out=sys.stdout, known_gaps=args.known_gaps)
     failed = [r for r in results if r.error]
     total_steps = sum(r.steps for r in results)
     faults: Counter[str] = Counter()

@@ -138,6 +138,8 @@ class Node:
     link_up: bool = True
     applied: int = 0
     slow: bool = False  # applies writes after up to a second and a half, not in a millisecond
+    # As a master: when each replica first attached since this node became master (started, promoted).
+    joined: dict[str, float] = field(default_factory=dict)
 
     @property
     def address(self) -> str:
@@ -264,6 +266,7 @@ class RedisWorld:
         replica.master = master
         replica.role = "replica"
         replica.link_up = True
+        master.joined.setdefault(replica.name, self.loop.now)
         self.write(replica, master.history[-1][2] if master.history else self.read(master))
         replica.applied = master.index
         self._check_waiters(master)
@@ -302,6 +305,7 @@ class RedisWorld:
         self.write(node, dumps)
         if node.role == "master":
             node.replid = self.hex_id()
+            node.joined = {}
             node.index = 0
             node.history = [(self.loop.now, 0, dumps)]
             for replica in list(node.replicas):
@@ -322,6 +326,7 @@ class RedisWorld:
         replica.index = 0
         replica.history = [(self.loop.now, 0, self.read(replica))]
         replica.replicas = []
+        replica.joined = {}
         for other in self.nodes:
             if other is not replica and other.role == "replica" and other.up and other.master is old:
                 if old is not None and other in old.replicas:
