@@ -7,6 +7,8 @@ Run it::
 
     python tests/sim_leasing.py --seeds 20 --steps 5000          # 20 worlds of 5,000 steps each
     python tests/sim_leasing.py --seed 1234 --steps 5000 --trace # replay one world, with its log
+    python tests/sim_leasing.py --seeds 20 --plant no-fence       # a bug planted on purpose: found?
+    python tests/sim_leasing.py --seeds 20 --known-gaps           # faults reach the documented gaps
 
 **The world** (drawn from the seed): 2 to 6 hosts, each with a clock that drifts (up to 200 ppm) and
 steps, running one daemon at a time; a pool of 1 to 7 worker ids (often fewer than the hosts, so daemons
@@ -15,14 +17,24 @@ third of it, a clock-skew allowance of 0.25 to 1 s; replica acknowledgements as 
 replica) or ``replica_acks=0``; a pool made by ``lease init`` or by the first daemon.
 
 **Steps**: a client request to a daemon (1 to 100 IDs, from its generator, as the front ends ask), a
-tick of virtual time (1 to 40 ms: the keepers renew, acquire, time out, retry), or a fault. Faults come
-in storms separated by calm stretches (so the fleet recovers and serves again); see :class:`Faults` for
-the list: daemon pause, crash, clean stop, a host's clock stepped (and put right), Redis's clock
-stepped, Redis restarted losing everything / from an RDB snapshot up to 3 ttl old / losing the last
-second of an AOF / losing nothing, failover to a replica (up to date, or cut off before the master
-died), two masters at once (a partition; only with replica acknowledgements), a replica's link cut, a
-replica slow, Redis paused, a lease record damaged as docs/leasing.md lists, a daemon cut off from
-Redis, replies lost or late.
+tick of virtual time (1 to 40 ms in a storm, up to 250 ms in a calm stretch: the keepers renew, acquire,
+time out, retry), or a fault. Faults come in storms (150 to 600 steps, 2 to 6% of steps a fault)
+separated by calm stretches (no fault until every fault so far has played out, then NTP puts every
+clock right, then a recovery window, a ttl and a renew interval so the fleet serves again); see
+:class:`Faults` for the list: daemon pause (requests queued meanwhile served as it wakes), crash, clean
+stop, a host's clock stepped, NTP putting it right, a host rebooting with its clock off until NTP syncs
+and its network late, Redis's clock stepped, Redis restarted losing everything / from an RDB snapshot
+up to 3 ttl old / losing the last second of an AOF / losing nothing, failover to a replica (up to date,
+or cut off before the master died), two masters at once (a partition; only with replica
+acknowledgements), a replica's link cut, a replica slow, Redis paused, a lease record damaged as
+docs/leasing.md lists, a daemon cut off from Redis, replies lost or late. Topology faults (restart,
+failover, two masters) play out one at a time.
+
+**Inside the documented conditions** (docs/guarantees.md), which two guards keep the faults within:
+hosts sync to true time, and a daemon does not start while its host's clock and Redis's are off
+together (the guarantees assume every daemon's clock within the skew of true time); two masters happen
+only once the daemons have counted every replica of the master (they ask once a minute in production,
+every 3 ttl here). ``--known-gaps`` lifts both: runs then find the gaps.
 
 **Invariants**, checked after every step (a failure stops the world, prints the seed and the command
 that replays it):
@@ -38,8 +50,8 @@ that replays it):
 
 **Determinism**: everything random comes from the seed (the keepers' own jitter included: the global
 ``random`` is seeded), tokens and pool epochs are numbered, and virtual time only moves when the loop
-has nothing to run; the same seed gives the same run, byte for byte (``--digest`` prints a hash of the
-trace to check).
+has nothing to run; the same seed gives the same run, byte for byte (each run prints a digest of its
+trace and of the IDs issued; tests/test_sim_leasing.py checks a seed gives the same digest twice).
 """
 
 from __future__ import annotations
