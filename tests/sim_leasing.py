@@ -457,6 +457,9 @@ class Faults:
         conditions the guarantees hold under; see Simulation.start)."""
         host = self.rng.choice(self.sim.hosts)
         target = self.rng.uniform(-0.4, 0.4) * self.sim.config.skew_max
+        master = self.sim.redis.master
+        if self.sim.known_gaps and master is not None and self.rng.random() < 0.5:
+            target += master.clock_offset  # a host whose NTP source is the Redis host (outside the conditions)
         host.clock.step(target - host.clock.offset)
         self._event("host_ntp", f"{host.name} to {target:+.3f}s")
 
