@@ -148,3 +148,15 @@ async def test_the_clock_check_judges_the_clock_the_ids_carry() -> None:
     keeper.generator = Generator(1, clock=clock)
     assert abs(await keeper.check_clock()) < 0.5
     keeper.link.client = None
+
+
+def test_outside_the_conditions_the_documented_clock_gap_is_reached() -> None:
+    """With --known-gaps a host may sync its clock to the Redis host's (18 to 25 s off here), and a daemon
+    started there passes its clock check with IDs that far from the others'; after a loss of its record,
+    another daemon's IDs fall below them (docs/guarantees.md, Clock). The same seed, inside the
+    conditions, holds. If this starts passing, the gap was closed or the history changed: look."""
+    (gap,) = run_seeds([1020], 4761, known_gaps=True)
+    assert gap.error is not None and "clock -25." in gap.error, gap.error
+    assert "--known-gaps" in gap.replay()
+    (inside,) = run_seeds([1020], 4761)
+    assert inside.error is None, inside.error
