@@ -175,9 +175,15 @@ class LeaseKeeper:
             log.warning("%s from %s: %s (waited %.0fs)", WAITING, self.target.display, why, waited)
 
     async def check_clock(self) -> float:
-        """Local wall clock minus Redis TIME, in seconds; refuse to go on above ``skew_max``, warn above
-        ``skew_warn`` (judged by the least the offset can be, given the round trip)."""
-        skew, rtt = await self.link.clock_offset(self.skew_max)
+        """Local clock minus Redis TIME, in seconds; refuse to go on above ``skew_max``, warn above
+        ``skew_warn`` (judged by the least the offset can be, given the round trip).
+
+        The local clock is the generator's (the wall clock as it read when the generator started,
+        carried on by the monotonic clock): the clock the IDs carry. Not the wall clock as it reads now:
+        a host whose clock NTP stepped between the daemon's start and this check (a boot before NTP
+        synced, Redis unreachable for a while) would pass the check while issuing IDs as far ahead or
+        behind as the step, beyond what every quarantine and barrier allows for."""
+        skew, rtt = await self.link.clock_offset(self.skew_max, lambda: self._local_ms() / 1000)
         if abs(skew) - rtt / 2 > self.skew_warn:
             log.warning("local clock differs from Redis TIME by %+.3fs (round trip %.3fs)", skew, rtt)
         return skew

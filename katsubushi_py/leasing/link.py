@@ -38,6 +38,8 @@ from .target import LeaseError, RedisTarget, released_channel
 from .timings import LeaseTimings, describe
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from .recovery import LeaseStats
 
 log = logging.getLogger("katsubushi_py")
@@ -167,17 +169,20 @@ class RedisLink:
         return result, "", new_connection
 
     # -- the clock at start ----------------------------------------------------------------------
-    async def clock_offset(self, skew_max: float) -> tuple[float, float]:
-        """Local wall clock minus Redis TIME, in seconds, and the round trip it was judged by; refuse
-        to go on above ``skew_max``.
+    async def clock_offset(
+        self, skew_max: float, local: Callable[[], float] | None = None
+    ) -> tuple[float, float]:
+        """Local wall clock (``local``, unix seconds) minus Redis TIME, in seconds, and the round trip it
+        was judged by; refuse to go on above ``skew_max``.
 
         The offset is known only to within half the round trip (Redis read its clock somewhere in it),
         so it is judged by the sample with the shortest round trip, and what counts is the least the
         offset can be: a busy event loop (a long round trip) alone never looks like a skew."""
+        local = local or time.time
         client = await self.get()
         best: tuple[float, float] | None = None  # (round trip, offset)
         for _ in range(_CLOCK_SAMPLES):
-            sent_wall, sent = time.time(), time.perf_counter()
+            sent_wall, sent = local(), time.perf_counter()
             seconds, micros = await client.time()
             rtt = time.perf_counter() - sent
             offset = sent_wall + rtt / 2 - (seconds + micros / 1e6)
