@@ -18,6 +18,7 @@ import socket
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
+from .auth.credentials import AuthConfig, CredentialsError, check_files
 from .ids.layout import DEFAULT_LAYOUT, KATSUBUSHI_EPOCH_MS, Layout, LayoutError
 from .ids.tools import ToolError, parse_epoch
 from .leasing import LeaseError, LeaseTimings, RedisTarget, parse_redis_url
@@ -138,6 +139,7 @@ class ServerConfig:
     http_port: int | None = None  # None: no HTTP listener (0: any free port)
     grpc_port: int | None = None  # None: no gRPC server (0: any free port)
     workers: int = 1  # processes sharing the listeners, one worker id each (see daemon/workers.py)
+    auth: AuthConfig | None = None  # --auth-file, --token-file: None when neither is given
 
 
 class _Parser(argparse.ArgumentParser):
@@ -326,8 +328,51 @@ def build_parser(
         help="answer GETS with a CAS field like memcached (katsubushi omits it; aiomcache's multi_get needs it)",
     )
     parser.add_argument("--version", "-version", action="store_true", help="print the version and exit")
+    add_auth_options(parser)
     add_layout_options(parser)
     return parser
+
+
+# -- authentication (issue 27): credentials only from files, never on the command line ---------------
+def add_auth_options(parser: argparse.ArgumentParser) -> None:
+    auth = parser.add_argument_group("authentication (credentials are read from files only; SIGHUP rereads them)")
+    _flag(
+        auth,
+        "auth-file",
+        metavar="PATH",
+        help="memcached users, one user:password a line (memcached's -Y format): text connections log in"
+        " with set <key> 0 0 <n> + '<user> <password>', binary ones with SASL PLAIN; nothing else before",
+    )
+    _flag(
+        auth,
+        "token-file",
+        metavar="PATH",
+        help="bearer tokens, one a line: HTTP and gRPC requests need 'authorization: Bearer <token>'"
+        " (/healthz stays open)",
+    )
+    auth.add_argument(
+        "--metrics-no-auth",
+        action="store_true",
+        default=False,
+        help="with --token-file, serve /metrics without a token (for a Prometheus without credentials)",
+    )
+
+
+def _auth_config(args: argparse.Namespace) -> AuthConfig | None:
+    """The credential files, each read once here so that a bad one is the one line of a failed start."""
+    auth_file = str(getattr(args, "auth_file", "") or "") or None
+    token_file = str(getattr(args, "token_file", "") or "") or None
+    metrics_no_auth = bool(getattr(args, "metrics_no_auth", False))
+    if metrics_no_auth and token_file is None:
+        raise ConfigError("--metrics-no-auth needs --token-file")
+    if auth_file is None and token_file is None:
+        return None
+    config = AuthConfig(auth_file, token_file, metrics_no_auth)
+    try:
+        check_files(config)
+    except CredentialsError as exc:
+        raise ConfigError(str(exc)) from None
+    return config
 
 
 def _env(environ: Mapping[str, str], name: str) -> str | None:
@@ -547,6 +592,7 @@ def parse_server_config(
         http_port=http_port,
         grpc_port=grpc_port,
         workers=workers,
+        auth=_auth_config(args),
     )
     return config, args
 

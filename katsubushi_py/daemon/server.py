@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .. import __version__
+from ..auth import Credentials, CredentialsError
 from ..compiled import IMPLEMENTATION, WHY_NOT_COMPILED
 from ..config import ServerConfig
 from ..issuing.errors import GenerationError
@@ -160,6 +161,25 @@ class Daemon:
         self._all_closed: asyncio.Event | None = None
         self.addresses: list[str] = []
         self._own_socket = False
+        # What SIGHUP rereads (credentials; certificates where TLS is served): each keeps what it has
+        # when its files are not usable, and says so in the log.
+        self.reloaders: list[Callable[[], object]] = []
+        self.credentials: Credentials | None = None
+        if config.auth is not None:
+            try:
+                self.credentials = Credentials(config.auth)
+            except CredentialsError as exc:
+                raise StartupError(str(exc)) from None
+            self.reloaders.append(self.credentials.reload)
+
+    def reload(self) -> None:
+        """SIGHUP: every reloader in turn; one that fails is logged and does not stop the others."""
+        log.info("SIGHUP: reloading")
+        for reloader in self.reloaders:
+            try:
+                reloader()
+            except Exception:
+                log.exception("reload failed; the previous settings stay in use")
 
     def connection_closed(self) -> None:
         if self._all_closed is not None and not self.connections:
@@ -206,6 +226,9 @@ class Daemon:
         memcached = ("text", "binary", "meta")  # the memcached listeners serve all three
         protocols = (*memcached, "http", "grpc") if self.config.grpc_port is not None else (*memcached, "http")
         api = HttpApi(self.issuer, metrics_renderer(make_registry(self.stats, self.issuer, protocols)))
+        credentials = self.credentials
+        if credentials is not None and credentials.tokens_enabled:
+            api.require_token(credentials, metrics_open=credentials.config.metrics_no_auth)
 
         def factory() -> ConnectionHandler:
             return ConnectionHandler(self, lambda: HttpConnection(api), TOO_MANY_CONNECTIONS)
@@ -223,9 +246,15 @@ class Daemon:
         from ..frontends.grpc_service import GrpcService
 
         service = GrpcService(self.issuer)
+        credentials = self.credentials
+        # With --token-file every call's headers go through h2 (the slow path), where the token is checked.
+        fast = True
+        if credentials is not None and credentials.tokens_enabled:
+            service.credentials = credentials
+            fast = False
 
         def factory() -> ConnectionHandler:
-            return ConnectionHandler(self, lambda: GrpcConnection(service), TOO_MANY_CONNECTIONS)
+            return ConnectionHandler(self, lambda: GrpcConnection(service, fast), TOO_MANY_CONNECTIONS)
 
         if self.listeners is not None and self.listeners.grpc:
             await self._serve_sockets(factory, self.listeners.grpc, "grpc://", direct=DIRECT)
@@ -365,11 +394,14 @@ async def serve(
     stop = asyncio.Event()
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, stop.set)
+    hangup: list[Daemon] = []  # SIGHUP reloads once the daemon exists; before, it is ignored
+    loop.add_signal_handler(signal.SIGHUP, lambda: [d.reload() for d in hangup])
     keeper: LeaseKeeper | None = None
     keeping: asyncio.Task[None] | None = None
     daemon: Daemon | None = None
     try:
         daemon = Daemon(config, generator, loop, listeners)
+        hangup.append(daemon)
         issuer = daemon.issuer
         if config.lease is not None:
             lease = config.lease
@@ -448,5 +480,5 @@ async def serve(
             last_ms = generator.last_issued_ms or 0
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(keeper.stop(last_ms), 1.5)
-        for signum in (signal.SIGTERM, signal.SIGINT):
+        for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
             loop.remove_signal_handler(signum)

@@ -447,9 +447,11 @@ class GrpcConnection(GrpcCore):
     # -- calls -----------------------------------------------------------------------------------
     def _request(self, sid: int, headers: list[tuple[bytes, bytes]], ended: bool) -> None:
         self.activity += 1
-        method = path = ctype = encoding = timeout = None
+        method = path = ctype = encoding = timeout = authorization = None
         for name, value in headers:
-            if name == b":path":
+            if name == b"authorization":
+                authorization = value
+            elif name == b":path":
                 path = value
             elif name == b":method":
                 method = value
@@ -474,6 +476,11 @@ class GrpcConnection(GrpcCore):
         if method != b"POST":
             shown = (method or b"").decode("utf-8", "replace")
             self._abort(sid, b"405", svc.INTERNAL, f'method "{shown}" is not allowed: gRPC calls are POST')
+            return
+        credentials = self._service.credentials
+        if credentials is not None and not credentials.check_authorization(authorization):
+            text = "invalid bearer token" if authorization else "missing metadata authorization: Bearer <token>"
+            self._abort(sid, b"200", svc.UNAUTHENTICATED, text)
             return
         code = svc.METHODS.get(path or b"")
         if code is None:
