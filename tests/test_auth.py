@@ -494,3 +494,24 @@ def test_auth_over_a_unix_socket(daemons: DaemonFactory, secrets_dir: Path, shor
         assert decode(int(client.get("a")))[1] == 7
     finally:
         client.disconnect_all()
+
+
+@pytest.mark.once
+def test_sighup_to_the_workers_supervisor_reloads_every_process(daemons: DaemonFactory, secrets_dir: Path) -> None:
+    d = daemons.start("--auth-file", str(secrets_dir / "users"), "--workers", "2", worker_id=3)
+    deadline = time.monotonic() + 10
+    while d.stderr().count("serving worker id") < 2 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    (secrets_dir / "users").write_text("dave:another-password\n")
+    os.kill(d.pid, signal.SIGHUP)
+    deadline = time.monotonic() + 10
+    while d.stderr().count("credentials reloaded") < 2 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert d.stderr().count("credentials reloaded: 1 user(s)") == 2
+    for _ in range(4):  # whichever process takes the connection
+        s = d.connect()
+        try:
+            assert exchange(s, login(b"dave", b"another-password")) == b"STORED\r\n"
+        finally:
+            s.close()
+    assert d.proc.poll() is None

@@ -269,6 +269,9 @@ class Supervisor:
                 signal.pthread_sigmask(signal.SIG_SETMASK, set())
                 for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGCHLD):
                     signal.signal(signum, signal.SIG_DFL)
+                # A reload asked for before this process serves has nothing to reload yet (its files
+                # are read as it starts): ignored until serve() installs the handler, not fatal.
+                signal.signal(signal.SIGHUP, signal.SIG_IGN)
                 mine = {id(sock) for sock in [*slot.listeners.memcached, *slot.listeners.http, *slot.listeners.grpc]}
                 for other in self.slots:  # another process's SO_REUSEPORT socket must not stay open here
                     for sock in [*other.listeners.memcached, *other.listeners.http, *other.listeners.grpc]:
@@ -286,7 +289,7 @@ class Supervisor:
     def run(self) -> int:
         """Open the listeners, start every process, supervise until a signal; the exit status."""
         self.open_listeners()
-        watched = {signal.SIGTERM, signal.SIGINT, signal.SIGCHLD}
+        watched = {signal.SIGTERM, signal.SIGINT, signal.SIGCHLD, signal.SIGHUP}
         signal.pthread_sigmask(signal.SIG_BLOCK, watched)
         status = 0
         try:
@@ -308,6 +311,12 @@ class Supervisor:
                 if info is not None and info.si_signo in (signal.SIGTERM, signal.SIGINT):
                     log.info("stopping %d worker processes", len(self.slots))
                     break
+                if info is not None and info.si_signo == signal.SIGHUP:  # each process rereads its files
+                    for slot in self.slots:
+                        if slot.pid:
+                            with contextlib.suppress(ProcessLookupError):
+                                os.kill(slot.pid, signal.SIGHUP)
+                    continue
                 failed = self._reap()
                 if failed is not None:
                     status = 1
