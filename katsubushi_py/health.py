@@ -54,8 +54,9 @@ def targets(host: str, port: int | None, sock: str | None) -> list[Target]:
     return found
 
 
-def fetch_one_id(target: Target, timeout: float) -> int:
-    """Send ``GET health`` and return the ID of a well-formed reply; raise HealthError otherwise."""
+def fetch_one_id(target: Target, timeout: float, login: bytes = b"") -> int:
+    """Send ``GET health`` (after ``login``, a text login with noreply, when the daemon has
+    --auth-file) and return the ID of a well-formed reply; raise HealthError otherwise."""
     deadline = time.monotonic() + timeout
     try:
         if target.path is not None:
@@ -70,7 +71,7 @@ def fetch_one_id(target: Target, timeout: float) -> int:
             assert target.host is not None and target.port is not None
             conn = socket.create_connection((target.host, target.port), timeout=timeout)
         with conn:
-            conn.sendall(_REQUEST)
+            conn.sendall(login + _REQUEST)
             reply = b""
             while not (reply.endswith(b"END\r\n") or (reply.endswith(b"\r\n") and not reply.startswith(b"VALUE"))):
                 left = deadline - time.monotonic()

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import bmemcached
 import pytest
-from conftest import Daemon, DaemonFactory, decode, free_port, recv_all, wait_for_port
+from conftest import DAEMON_CMD, Daemon, DaemonFactory, decode, free_port, recv_all, wait_for_port
 from pymemcache.client.base import Client as PymemcacheClient
 from pymemcache.exceptions import MemcacheClientError
 
@@ -515,3 +515,28 @@ def test_sighup_to_the_workers_supervisor_reloads_every_process(daemons: DaemonF
         finally:
             s.close()
     assert d.proc.poll() is None
+
+
+def test_the_beyond_loopback_warning_names_what_auth_covers(monkeypatch: pytest.MonkeyPatch) -> None:
+    from katsubushi_py.daemon import server
+
+    monkeypatch.setattr(server, "IMPLEMENTATION", "compiled")
+    addresses = ["0.0.0.0:11212", "http://0.0.0.0:8080", "grpc://0.0.0.0:50051"]
+    [line] = server.startup_warnings(addresses)
+    assert "no authentication" in line and "--auth-file (memcached), --token-file (HTTP, gRPC)" in line
+    open_line, covered_line = server.startup_warnings(addresses, AuthConfig(auth_file="users"))
+    assert open_line.startswith("listening beyond loopback (http://0.0.0.0:8080, grpc://0.0.0.0:50051): the")
+    assert covered_line.startswith("listening beyond loopback (0.0.0.0:11212) with authentication but no encr")
+    [line] = server.startup_warnings(addresses, AuthConfig(auth_file="users", token_file="tokens"))
+    assert "with authentication but no encryption" in line and "0.0.0.0:11212, http://0.0.0.0:8080" in line
+
+
+def test_the_health_command_logs_in_with_the_auth_file(daemons: DaemonFactory, secrets_dir: Path) -> None:
+    d = start_auth(daemons, secrets_dir)
+    base = [*DAEMON_CMD, "health", "--port", str(d.port)]
+    ok = subprocess.run([*base, "--auth-file", str(secrets_dir / "users")], capture_output=True, text=True, timeout=30)
+    assert ok.returncode == 0 and "issued" in ok.stdout + ok.stderr and "(worker 7)" in ok.stdout + ok.stderr
+    by_pid = subprocess.run([*DAEMON_CMD, "health", "--pid", str(d.pid)], capture_output=True, text=True, timeout=30)
+    assert by_pid.returncode == 0, by_pid.stderr
+    refused = subprocess.run(base, capture_output=True, text=True, timeout=30)
+    assert refused.returncode == 1 and "CLIENT_ERROR unauthenticated" in refused.stdout + refused.stderr

@@ -166,7 +166,8 @@ def test_which_addresses_count_as_beyond_loopback(
         assert lines == [
             f"listening beyond loopback ({', '.join(exposed)}): the daemon has no authentication and no"
             " encryption, so anyone who can reach these addresses can take IDs and read its stats; allow only"
-            " your applications (a firewall, a private network, a Kubernetes NetworkPolicy)"
+            " your applications (a firewall, a private network, a Kubernetes NetworkPolicy), or require"
+            " logins: --auth-file (memcached), --token-file (HTTP, gRPC)"
         ]
 
 

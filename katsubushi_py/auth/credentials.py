@@ -93,6 +93,16 @@ def load_users(path: str) -> list[tuple[bytes, bytes]]:
     return users
 
 
+def first_user(path: str) -> tuple[bytes, bytes]:
+    """The first user and password of an --auth-file (what ``katsubushi-py health`` logs in as)."""
+    load_users(path)  # the same checks as the daemon's
+    for line in _read(path, "--auth-file"):
+        if line.strip():
+            user, _, password = line.partition(":")
+            return user.encode(), password.encode()
+    raise CredentialsError(f"--auth-file {path} is empty: it needs at least one entry")
+
+
 def load_tokens(path: str) -> list[bytes]:
     """The digest of each token line."""
     tokens = []

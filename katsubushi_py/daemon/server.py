@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .. import __version__
-from ..auth import Credentials, CredentialsError
+from ..auth import AuthConfig, Credentials, CredentialsError
 from ..compiled import IMPLEMENTATION, WHY_NOT_COMPILED
 from ..config import ServerConfig
 from ..issuing.errors import GenerationError
@@ -42,9 +42,10 @@ log = logging.getLogger("katsubushi_py")
 _SPARE_FDS = 32
 
 
-def startup_warnings(addresses: list[str]) -> list[str]:
+def startup_warnings(addresses: list[str], auth: AuthConfig | None = None) -> list[str]:
     """What an operator should know about how this daemon runs, logged once it listens (so that a
-    failed start stays one line): the pure-Python hot path, and listeners beyond loopback."""
+    failed start stays one line): the pure-Python hot path, and listeners beyond loopback (those
+    ``auth`` covers: --auth-file the memcached ones, --token-file HTTP and gRPC)."""
     lines = []
     if IMPLEMENTATION != "compiled":
         advice = (
@@ -58,13 +59,30 @@ def startup_warnings(addresses: list[str]) -> list[str]:
             f" path's IDs/s with pipelined and multi-key GETs (bench/RESULTS.md){advice}"
         )
     exposed = [address for address in addresses if not _is_local(address)]
+    covered = [address for address in exposed if _authenticated(address, auth)]
+    exposed = [address for address in exposed if address not in covered]
     if exposed:
         lines.append(
             f"listening beyond loopback ({', '.join(exposed)}): the daemon has no authentication and no"
             " encryption, so anyone who can reach these addresses can take IDs and read its stats; allow only"
-            " your applications (a firewall, a private network, a Kubernetes NetworkPolicy)"
+            " your applications (a firewall, a private network, a Kubernetes NetworkPolicy), or require"
+            " logins: --auth-file (memcached), --token-file (HTTP, gRPC)"
+        )
+    if covered:
+        lines.append(
+            f"listening beyond loopback ({', '.join(covered)}) with authentication but no encryption:"
+            " passwords, tokens and IDs cross the network in clear text"
         )
     return lines
+
+
+def _authenticated(address: str, auth: AuthConfig | None) -> bool:
+    """Whether the listener at ``address`` asks for credentials."""
+    if auth is None:
+        return False
+    if address.startswith(("http://", "grpc://")):
+        return auth.token_file is not None
+    return auth.auth_file is not None
 
 
 def _is_local(address: str) -> bool:
@@ -458,7 +476,7 @@ async def serve(
             )
             keeping = loop.create_task(keeper.run(generator))
         if listeners is None:  # (the --workers supervisor says it once for all its processes)
-            for line in startup_warnings(daemon.addresses):
+            for line in startup_warnings(daemon.addresses, config.auth):
                 log.warning("%s", line)
         if ready is not None:
             ready(daemon)

@@ -300,7 +300,7 @@ class Supervisor:
                 len(self.slots),
                 ", ".join(str(slot.pid) for slot in self.slots),
             )
-            for line in startup_warnings(self.addresses()):
+            for line in startup_warnings(self.addresses(), self.config.auth):
                 log.warning("%s", line)
             while not self._stopping:
                 timeout = self._next_restart_in()

@@ -158,6 +158,10 @@ class GrpcConnection(GrpcCore):
     ``closing``, ``wait``, ``activity``), so the daemon's connection glue drives it; plus
     :meth:`goodbye`, the GOAWAY sent before the connection is closed (shutdown, idle timeout)."""
 
+    #: The connection glue's "input held until the reply is written": never here (h2's flow control
+    #: and MAX_STREAMS bound what a client can make it hold), as for HTTP.
+    backlog = False
+
     __slots__ = (
         "_calls",
         "_draining",
