@@ -350,6 +350,13 @@ def add_auth_options(parser: argparse.ArgumentParser) -> None:
         help="bearer tokens, one a line: HTTP and gRPC requests need 'authorization: Bearer <token>'"
         " (/healthz stays open)",
     )
+    _flag(
+        auth,
+        "login-timeout",
+        metavar="DURATION",
+        help="with --auth-file, close a memcached connection that has not logged in this long after it"
+        " opened (default 10s)",
+    )
     auth.add_argument(
         "--metrics-no-auth",
         action="store_true",
@@ -365,9 +372,12 @@ def _auth_config(args: argparse.Namespace) -> AuthConfig | None:
     metrics_no_auth = bool(getattr(args, "metrics_no_auth", False))
     if metrics_no_auth and token_file is None:
         raise ConfigError("--metrics-no-auth needs --token-file")
+    login_timeout = parse_duration(str(getattr(args, "login_timeout", "10s")), "--login-timeout")
+    if login_timeout <= 0:
+        raise ConfigError("--login-timeout must be more than 0")
     if auth_file is None and token_file is None:
         return None
-    config = AuthConfig(auth_file, token_file, metrics_no_auth)
+    config = AuthConfig(auth_file, token_file, metrics_no_auth, login_timeout)
     try:
         check_files(config)
     except CredentialsError as exc:

@@ -540,3 +540,19 @@ def test_the_health_command_logs_in_with_the_auth_file(daemons: DaemonFactory, s
     assert by_pid.returncode == 0, by_pid.stderr
     refused = subprocess.run(base, capture_output=True, text=True, timeout=30)
     assert refused.returncode == 1 and "CLIENT_ERROR unauthenticated" in refused.stdout + refused.stderr
+
+
+def test_a_connection_that_does_not_log_in_in_time_is_closed(daemons: DaemonFactory, secrets_dir: Path) -> None:
+    d = start_auth(daemons, secrets_dir, "--login-timeout", "0.5s")
+    idle, chatty, logged_in = d.connect(), d.connect(), d.connect()
+    try:
+        assert exchange(logged_in, login(b"alice", b"secret1")) == b"STORED\r\n"
+        start = time.monotonic()
+        chatty.sendall(b"version\r\n")
+        assert closed(idle, 5) and closed(chatty, 5)
+        assert time.monotonic() - start < 4
+        time.sleep(0.3)
+        assert exchange(logged_in, b"get a\r\n").startswith(b"VALUE a 0 19")  # logged in: kept
+    finally:
+        for s in (idle, chatty, logged_in):
+            s.close()

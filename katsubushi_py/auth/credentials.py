@@ -53,6 +53,8 @@ class AuthConfig:
     auth_file: str | None = None
     token_file: str | None = None
     metrics_no_auth: bool = False
+    #: A memcached connection that has not logged in this long after it opened is closed.
+    login_timeout: float = 10.0
 
 
 def _digest(value: bytes) -> bytes:

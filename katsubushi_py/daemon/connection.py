@@ -149,6 +149,7 @@ class ConnectionHandler(ProtocolCore, asyncio.Protocol):
         elif daemon.credentials is not None and daemon.credentials.users_enabled:
             # --auth-file: the login first; the real protocol (compiled where built) once it succeeds.
             self._use(AuthGate(daemon.credentials, daemon.issuer.version, self._logged_in))
+            daemon.loop.call_later(daemon.credentials.config.login_timeout, self._login_deadline)
         else:
             # Text until the first byte says otherwise (the idle timer may read its activity before that).
             self._conn = TextConnection(daemon.issuer, gets_cas=daemon.config.gets_cas)
@@ -177,6 +178,14 @@ class ConnectionHandler(ProtocolCore, asyncio.Protocol):
             conn = TextConnection(daemon.issuer, gets_cas=daemon.config.gets_cas)
         self._use(conn)
         return conn.receive(rest) if rest else b""
+
+    def _login_deadline(self) -> None:
+        """--login-timeout: a connection still not logged in is closed (it would hold a place under
+        --max-connections for the whole idle timeout)."""
+        transport = self._transport
+        if isinstance(self._conn, AuthGate) and transport is not None and not transport.is_closing():
+            log.debug("closing a connection that did not log in within --login-timeout")
+            transport.close()
 
     def _data_received(self, data: bytes) -> None:
         reply = self._receive(data)
