@@ -556,3 +556,46 @@ def test_a_connection_that_does_not_log_in_in_time_is_closed(daemons: DaemonFact
     finally:
         for s in (idle, chatty, logged_in):
             s.close()
+
+
+async def test_after_the_login_the_connection_runs_the_usual_protocol_object(secrets_dir: Path) -> None:
+    """In-process: before the login the connection's protocol is the gate (no issuer); after it, the
+    very TextConnection / BinaryConnection a connection without authentication has, compiled where
+    built (its receive the C method, so the compiled ProtocolCore calls it directly)."""
+    import asyncio
+
+    from katsubushi_py.config import ServerConfig
+    from katsubushi_py.daemon.server import Daemon as InProcessDaemon
+    from katsubushi_py.frontends.binary import BinaryConnection
+    from katsubushi_py.frontends.fastpath import COMPILED, BinaryCore, TextCore
+    from katsubushi_py.frontends.text import TextConnection
+    from katsubushi_py.issuing.generator import Generator
+
+    config = ServerConfig(worker_id=4, port=0, auth=AuthConfig(auth_file=str(secrets_dir / "users")))
+    daemon = InProcessDaemon(config, Generator(4), asyncio.get_running_loop())
+    await daemon.start()
+    port = int(daemon.addresses[0].rsplit(":", 1)[1])
+    try:
+        for first, logged_in, core, cls in [
+            (b"get a\r\n", login(b"alice", b"secret1"), TextCore, TextConnection),
+            (hdr(0x0B), hdr(0x21, b"PLAIN", b"\0alice\0secret1"), BinaryCore, BinaryConnection),
+        ]:
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            writer.write(first)
+            await reader.read(100)
+            [handler] = daemon.connections
+            assert isinstance(handler._conn, AuthGate)
+            writer.write(logged_in)
+            await reader.read(100)
+            conn = handler._conn
+            assert type(conn) is cls and handler._receive == conn.receive
+            if COMPILED:
+                assert isinstance(conn, core) and type(conn).receive is core.receive
+            writer.close()
+            await writer.wait_closed()
+            for _ in range(100):
+                if not daemon.connections:
+                    break
+                await asyncio.sleep(0.01)
+    finally:
+        await daemon.stop()
