@@ -4,6 +4,7 @@ clients (pymemcache, python-binary-memcached, urllib, grpcio) and, for the bytes
 
 from __future__ import annotations
 
+import json
 import os
 import secrets
 import shutil
@@ -154,6 +155,7 @@ def test_text_no_id_before_login_then_ids_on_the_same_connection(daemons: Daemon
         assert reply.startswith(b"VA 19\r\n") and b"VALUE k 0 19 " in reply  # --gets-cas carried over
         stats = exchange(s, b"stats\r\n")
         assert b"STAT cmd_get 3\r\n" in stats  # no get before the login was counted (nothing issued)
+        assert b"STAT auth_cmds 2\r\nSTAT auth_errors 1\r\n" in stats  # memcached's names and meaning
     finally:
         s.close()
 
@@ -376,6 +378,8 @@ def test_http_bearer_token(daemons: DaemonFactory, secrets_dir: Path) -> None:
     assert status == 200 and decode(int(body))[1] == 7
     assert http_get(port, "/metrics", TOKEN)[0] == 200
     assert http_get(port, "/healthz")[0] == 200  # open: load balancers and kubelets probe it
+    stats = json.loads(http_get(port, "/stats", TOKEN)[2])
+    assert stats["auth_token_errors"] == 4 and "auth_cmds" not in stats  # no --auth-file here
     # The memcached listener is not covered by --token-file (that is --auth-file's).
     s = d.connect()
     try:

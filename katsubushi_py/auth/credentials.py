@@ -129,7 +129,10 @@ class Credentials:
         self.config = config
         self._users: list[tuple[bytes, bytes]] = []
         self._tokens: list[bytes] = []
-        self.failures = 0  # failed logins and refused tokens since start, for the log
+        # memcached's STATS auth_cmds and auth_errors (logins tried, failed), and refused bearer tokens.
+        self.logins = 0
+        self.login_failures = 0
+        self.token_failures = 0
         self._load()
 
     @property
@@ -172,9 +175,24 @@ class Credentials:
             same_user = hmac.compare_digest(user_digest, known_user)
             same_password = hmac.compare_digest(password_digest, known_password)
             found |= same_user & same_password
-        if not found:
-            self.failures += 1
+        self.note_login(found)
         return found
+
+    def note_login(self, ok: bool) -> None:
+        """Count a memcached login (one that is malformed counts as failed, as in memcached)."""
+        self.logins += 1
+        if not ok:
+            self.login_failures += 1
+
+    def stat_fields(self) -> list[tuple[str, object]]:
+        """STATS fields: memcached's ``auth_cmds`` and ``auth_errors`` (with --auth-file), and
+        ``auth_token_errors`` (with --token-file): requests refused for a missing or wrong token."""
+        fields: list[tuple[str, object]] = []
+        if self.users_enabled:
+            fields += [("auth_cmds", self.logins), ("auth_errors", self.login_failures)]
+        if self.tokens_enabled:
+            fields.append(("auth_token_errors", self.token_failures))
+        return fields
 
     def check_token(self, token: bytes) -> bool:
         """Whether ``token`` is one of the tokens, in time independent of it."""
@@ -182,19 +200,16 @@ class Credentials:
         found = False
         for known in self._tokens:
             found |= hmac.compare_digest(token_digest, known)
-        if not found:
-            self.failures += 1
         return found
 
     def check_authorization(self, header: bytes | None) -> bool:
         """Whether an ``Authorization`` header (HTTP) or ``authorization`` metadata (gRPC) value is
         ``Bearer <one of the tokens>``. The scheme is case-insensitive (RFC 9110)."""
-        if not header:
-            return False
-        scheme, _, token = header.strip().partition(b" ")
-        if scheme.lower() != b"bearer":
-            return False
-        return self.check_token(token.strip())
+        scheme, _, token = (header or b"").strip().partition(b" ")
+        if scheme.lower() == b"bearer" and self.check_token(token.strip()):
+            return True
+        self.token_failures += 1
+        return False
 
 
 def check_files(config: AuthConfig) -> Credentials:

@@ -182,6 +182,7 @@ class AuthGate:
                 pos += need
                 user, space, password = block.partition(b" ")
                 if not space or not user:
+                    self._credentials.note_login(False)
                     out.append(BAD_TOKEN_FORMAT)
                     continue
                 if self._credentials.check_user(user, password):
@@ -266,6 +267,7 @@ class AuthGate:
                 out.append(binary_response(opcode, opaque, value=b"PLAIN"))
             elif key != b"PLAIN" or (opcode == SASL_STEP and not self._plain_started):
                 self._plain_started = False
+                self._credentials.note_login(False)
                 return self._failed(binary_response(opcode, opaque, AUTH_ERROR, b"Auth failure."), data[pos:], out)
             elif not value and opcode == SASL_AUTH:
                 self._plain_started = True  # PLAIN with no initial response: the credentials come in a step
@@ -273,11 +275,11 @@ class AuthGate:
             else:
                 self._plain_started = False
                 parts = value.split(b"\0")
-                ok = (
-                    len(parts) == 3
-                    and (not parts[0] or parts[0] == parts[1])
-                    and self._credentials.check_user(parts[1], parts[2])
-                )
+                if len(parts) == 3 and (not parts[0] or parts[0] == parts[1]):
+                    ok = self._credentials.check_user(parts[1], parts[2])
+                else:
+                    ok = False
+                    self._credentials.note_login(False)
                 if ok:
                     reply = binary_response(opcode, opaque, value=b"Authenticated")
                     return b"".join(out) + reply + self._authenticated("binary", data[pos:])

@@ -189,6 +189,7 @@ class Daemon:
             except CredentialsError as exc:
                 raise StartupError(str(exc)) from None
             self.reloaders.append(self.credentials.reload)
+            self.stats.auth = self.credentials.stat_fields
 
     def reload(self) -> None:
         """SIGHUP: every reloader in turn; one that fails is logged and does not stop the others."""
