@@ -121,6 +121,7 @@ TEXT_CONVERSATIONS = [
 ]
 
 
+@pytest.mark.once
 def test_text_login_answers_byte_for_byte_as_memcached_does(daemons: DaemonFactory, secrets_dir: Path) -> None:
     d = start_auth(daemons, secrets_dir)
     memcached = Memcached("-Y", str(secrets_dir / "users"))
@@ -221,6 +222,7 @@ BINARY_CONVERSATIONS = [
 ]
 
 
+@pytest.mark.once
 def test_sasl_answers_as_memcached_does(daemons: DaemonFactory, secrets_dir: Path) -> None:
     d = start_auth(daemons, secrets_dir)
     pwdb = secrets_dir / "users"
@@ -261,6 +263,7 @@ def test_sasl_list_mechanisms_login_and_pipelined_get(daemons: DaemonFactory, se
         s.close()
 
 
+@pytest.mark.once
 # -- bad input on the login paths --------------------------------------------------------------------
 def test_failed_login_flood_is_slowed_then_closed_and_the_daemon_serves_on(
     daemons: DaemonFactory, secrets_dir: Path
@@ -423,6 +426,7 @@ def test_grpc_bearer_token(daemons: DaemonFactory, secrets_dir: Path) -> None:
         assert again.value.code() == grpc.StatusCode.UNAUTHENTICATED
 
 
+@pytest.mark.once
 # -- files: start and reload -------------------------------------------------------------------------
 @pytest.mark.parametrize(
     ("flag", "content", "message"),
@@ -603,3 +607,34 @@ async def test_after_the_login_the_connection_runs_the_usual_protocol_object(sec
                 await asyncio.sleep(0.01)
     finally:
         await daemon.stop()
+
+
+DALLI_SASL = """
+require "dalli"
+require "logger"
+Dalli.logger = Logger.new($stderr)  # (its log goes to stdout by default)
+address, user, password = ARGV
+client = Dalli::Client.new(address, username: user, password: password, socket_max_failures: 1, down_retry_delay: 0)
+begin
+  puts client.get("a", raw: true)
+  puts client.get_multi("a", "b", "c").values.join(" ")
+rescue => e
+  puts "error #{e.class}: #{e}"
+end
+"""
+
+
+@pytest.mark.once
+def test_ruby_dalli_sasl_plain(daemons: DaemonFactory, secrets_dir: Path, tmp_path: Path) -> None:
+    ruby = shutil.which("ruby")
+    if ruby is None or subprocess.run([ruby, "-e", 'require "dalli"'], capture_output=True).returncode != 0:
+        pytest.skip("ruby and Dalli are missing (apt-get install ruby ruby-dalli)")
+    d = start_auth(daemons, secrets_dir)
+    script = tmp_path / "dalli.rb"
+    script.write_text(DALLI_SASL)
+    address = f"127.0.0.1:{d.port}"
+    good = subprocess.run([ruby, str(script), address, "alice", "secret1"], capture_output=True, text=True, timeout=60)
+    one, many = good.stdout.split("\n")[:2]
+    assert decode(int(one))[1] == 7 and len(many.split()) == 3 and min(int(x) for x in many.split()) > int(one)
+    bad = subprocess.run([ruby, str(script), address, "alice", "nope"], capture_output=True, text=True, timeout=60)
+    assert bad.stdout.startswith("error") and "0x20" in bad.stdout, bad.stdout + bad.stderr
