@@ -263,8 +263,8 @@ def test_sasl_list_mechanisms_login_and_pipelined_get(daemons: DaemonFactory, se
         s.close()
 
 
-@pytest.mark.once
 # -- bad input on the login paths --------------------------------------------------------------------
+@pytest.mark.once
 def test_failed_login_flood_is_slowed_then_closed_and_the_daemon_serves_on(
     daemons: DaemonFactory, secrets_dir: Path
 ) -> None:
@@ -426,8 +426,8 @@ def test_grpc_bearer_token(daemons: DaemonFactory, secrets_dir: Path) -> None:
         assert again.value.code() == grpc.StatusCode.UNAUTHENTICATED
 
 
-@pytest.mark.once
 # -- files: start and reload -------------------------------------------------------------------------
+@pytest.mark.once
 @pytest.mark.parametrize(
     ("flag", "content", "message"),
     [
