@@ -27,9 +27,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import logging
-import os
 import re
-from collections.abc import Callable
 from dataclasses import dataclass
 
 log = logging.getLogger("katsubushi_py")
@@ -215,18 +213,3 @@ class Credentials:
 def check_files(config: AuthConfig) -> Credentials:
     """Load the credentials at start; :class:`CredentialsError` (one line) if a file is unusable."""
     return Credentials(config)
-
-
-#: What the SIGHUP handler calls, in order (credentials here; certificates too, where TLS is served).
-Reloader = Callable[[], object]
-
-
-def file_mode_warning(path: str) -> str | None:
-    """A warning when a credentials file can be read by other users of the machine."""
-    try:
-        mode = os.stat(path).st_mode
-    except OSError:
-        return None
-    if mode & 0o004:
-        return f"{path} is readable by every user of this machine (mode {mode & 0o777:04o}): chmod 600 or 640"
-    return None
