@@ -421,9 +421,22 @@ def test_grpc_bearer_token(daemons: DaemonFactory, secrets_dir: Path) -> None:
         one = generator.Fetch(pb.FetchRequest(), timeout=5, metadata=good).id
         many = generator.FetchMulti(pb.FetchMultiRequest(n=3), timeout=5, metadata=good).ids
         assert decode(one)[1] == 7 and len(many) == 3 and min(many) > one
-        with pytest.raises(grpc.RpcError) as again:  # the same channel: every call is checked
-            generator.Fetch(pb.FetchRequest(), timeout=5)
-        assert again.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        for _ in range(5):  # the same channel, calls the fast path serves between them: each is checked
+            assert generator.Fetch(pb.FetchRequest(), timeout=5, metadata=good).id > one
+            with pytest.raises(grpc.RpcError) as again:
+                generator.Fetch(pb.FetchRequest(), timeout=5)
+            assert again.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        # The token revoked by a reload: refused on the channel that used it a moment ago.
+        new_token = secrets.token_urlsafe(24)
+        (secrets_dir / "tokens").write_text(new_token + "\n")
+        os.kill(d.pid, signal.SIGHUP)
+        deadline = time.monotonic() + 5
+        while "credentials reloaded" not in d.stderr() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        with pytest.raises(grpc.RpcError) as revoked:
+            generator.Fetch(pb.FetchRequest(), timeout=5, metadata=good)
+        assert revoked.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        assert generator.Fetch(pb.FetchRequest(), timeout=5, metadata=[("authorization", f"Bearer {new_token}")]).id
 
 
 # -- files: start and reload -------------------------------------------------------------------------

@@ -200,13 +200,15 @@ class Credentials:
             found |= hmac.compare_digest(token_digest, known)
         return found
 
-    def check_authorization(self, header: bytes | None) -> bool:
+    def check_authorization(self, header: bytes | None, count: bool = True) -> bool:
         """Whether an ``Authorization`` header (HTTP) or ``authorization`` metadata (gRPC) value is
-        ``Bearer <one of the tokens>``. The scheme is case-insensitive (RFC 9110)."""
+        ``Bearer <one of the tokens>``. The scheme is case-insensitive (RFC 9110). ``count``: a
+        refusal counts in ``auth_token_errors`` (not when the request is checked again later)."""
         scheme, _, token = (header or b"").strip().partition(b" ")
         if scheme.lower() == b"bearer" and self.check_token(token.strip()):
             return True
-        self.token_failures += 1
+        if count:
+            self.token_failures += 1
         return False
 
 

@@ -188,8 +188,17 @@ class Daemon:
                 self.credentials = Credentials(config.auth)
             except CredentialsError as exc:
                 raise StartupError(str(exc)) from None
-            self.reloaders.append(self.credentials.reload)
+            self.reloaders += [self.credentials.reload, self.forget_headers]
             self.stats.auth = self.credentials.stat_fields
+
+    def forget_headers(self) -> None:
+        """After the credentials are reread: every gRPC connection forgets the header blocks its fast
+        path recognises by their bytes (each carried a token checked against the old tokens), so the
+        next call of each is decoded and its token checked again."""
+        for handler in list(self.connections):
+            forget = getattr(handler._conn, "_cache_clear", None)
+            if forget is not None:
+                forget()
 
     def reload(self) -> None:
         """SIGHUP: every reloader in turn; one that fails is logged and does not stop the others."""
@@ -266,14 +275,11 @@ class Daemon:
 
         service = GrpcService(self.issuer)
         credentials = self.credentials
-        # With --token-file every call's headers go through h2 (the slow path), where the token is checked.
-        fast = True
         if credentials is not None and credentials.tokens_enabled:
-            service.credentials = credentials
-            fast = False
+            service.credentials = credentials  # every call's token checked (see GrpcConnection._headers)
 
         def factory() -> ConnectionHandler:
-            return ConnectionHandler(self, lambda: GrpcConnection(service, fast), TOO_MANY_CONNECTIONS)
+            return ConnectionHandler(self, lambda: GrpcConnection(service), TOO_MANY_CONNECTIONS)
 
         if self.listeners is not None and self.listeners.grpc:
             await self._serve_sockets(factory, self.listeners.grpc, "grpc://", direct=DIRECT)

@@ -409,6 +409,14 @@ class GrpcConnection(GrpcCore):
         if not neutral:
             self._cache_clear()
         method, length = plain_call(headers)
+        credentials = self._service.credentials
+        if method and credentials is not None:
+            # --token-file: the call goes to the fast path only with a good token (else h2 opens it and
+            # _request refuses it). A block remembered here carries a token checked against the
+            # credentials in use: a reload makes every connection forget them (Daemon.forget_headers).
+            token = next((value for name, value in headers if name == b"authorization"), None)
+            if not credentials.check_authorization(token, count=False):
+                method = 0
         if not neutral:
             block = literal_block(headers)
         if method:  # (the fast path has no call pending here: it hands them all over before the slow path runs)
