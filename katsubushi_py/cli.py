@@ -339,9 +339,10 @@ def cmd_health(argv: Sequence[str]) -> int:
             settings = merged_settings(daemon_args, environ)
             layout = layout_from_args(daemon_args)
         found, context = tls_targets(targets(*listen_settings(settings)), settings)
+        login = health_login(settings.get("auth_file"))
         answers = []
         for target in found:
-            parts = layout.decompose(fetch_one_id(target, timeout, None if target.path else context))
+            parts = layout.decompose(fetch_one_id(target, timeout, login, None if target.path else context))
             answers.append(f"{target.display} issued {parts.id} (worker {parts.worker_id})")
     except (ConfigError, HealthError) as exc:
         print(f"{PROG} health: unhealthy: {exc}", file=sys.stderr)
@@ -439,6 +440,20 @@ COMMANDS: dict[str, Callable[[Sequence[str]], int]] = {
     "get": cmd_get,
     "help": cmd_help,
 }
+
+
+def health_login(auth_file: object) -> bytes:
+    """With --auth-file, the health check logs in as the file's first user (a text login, noreply)."""
+    if not auth_file:
+        return b""
+    from .auth.credentials import CredentialsError, first_user
+
+    try:
+        user, password = first_user(str(auth_file))
+    except CredentialsError as exc:
+        raise ConfigError(str(exc)) from None
+    data = user + b" " + password
+    return b"set health 0 0 %d noreply\r\n%b\r\n" % (len(data), data)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -18,6 +18,8 @@ import socket
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
+from .auth.credentials import AuthConfig, CredentialsError, check_files
+
 # (daemon/tls.py imports only ssl and the standard library: no import circle)
 from .daemon.tls import MIN_VERSIONS, VERIFY_MODES, TlsConfig, TlsError, build_contexts
 from .ids.layout import DEFAULT_LAYOUT, KATSUBUSHI_EPOCH_MS, Layout, LayoutError
@@ -146,6 +148,7 @@ class ServerConfig:
     tls: TlsConfig | None = None  # None: every listener plain
     plain_port: int | None = None  # a plain memcached listener on 127.0.0.1 beside the TLS ones
     request_timeout: float = DEFAULT_REQUEST_TIMEOUT  # a request (TLS handshake, line, HTTP head) must arrive within
+    auth: AuthConfig | None = None  # --auth-file, --token-file: None when neither is given
 
 
 class _Parser(argparse.ArgumentParser):
@@ -335,6 +338,7 @@ def build_parser(
         help="answer GETS with a CAS field like memcached (katsubushi omits it; aiomcache's multi_get needs it)",
     )
     parser.add_argument("--version", "-version", action="store_true", help="print the version and exit")
+    add_auth_options(parser)
     add_layout_options(parser)
     return parser
 
@@ -408,6 +412,60 @@ def tls_settings(given: Mapping[str, object], idle: float) -> tuple[TlsConfig | 
         raise ConfigError(str(exc)) from None
     plain = _int(given["plain_port"], "plain port", 1, 65535) if "plain_port" in given else None
     return config, plain, timeout
+
+
+# -- authentication (issue 27): credentials only from files, never on the command line ---------------
+def add_auth_options(parser: argparse.ArgumentParser) -> None:
+    auth = parser.add_argument_group("authentication (credentials are read from files only; SIGHUP rereads them)")
+    _flag(
+        auth,
+        "auth-file",
+        metavar="PATH",
+        help="memcached users, one user:password a line (memcached's -Y format): text connections log in"
+        " with set <key> 0 0 <n> + '<user> <password>', binary ones with SASL PLAIN; nothing else before",
+    )
+    _flag(
+        auth,
+        "token-file",
+        metavar="PATH",
+        help="bearer tokens, one a line: HTTP and gRPC requests need 'authorization: Bearer <token>'"
+        " (/healthz stays open)",
+    )
+    _flag(
+        auth,
+        "login-timeout",
+        metavar="DURATION",
+        help="with --auth-file, close a memcached connection that has not logged in this long after it"
+        " opened (default 10s)",
+    )
+    auth.add_argument(
+        "--metrics-no-auth",
+        action="store_true",
+        default=False,
+        help="with --token-file, serve /metrics without a token (for a Prometheus without credentials)",
+    )
+
+
+def _auth_config(args: argparse.Namespace) -> AuthConfig | None:
+    """The credential files, each read once here so that a bad one is the one line of a failed start."""
+    auth_file = str(getattr(args, "auth_file", "") or "") or None
+    token_file = str(getattr(args, "token_file", "") or "") or None
+    metrics_no_auth = bool(getattr(args, "metrics_no_auth", False))
+    if metrics_no_auth and token_file is None:
+        raise ConfigError("--metrics-no-auth needs --token-file")
+    login_timeout = parse_duration(str(getattr(args, "login_timeout", "10s")), "--login-timeout")
+    if login_timeout <= 0:
+        raise ConfigError("--login-timeout must be more than 0")
+    if hasattr(args, "login_timeout") and auth_file is None:
+        raise ConfigError("--login-timeout needs --auth-file")
+    if auth_file is None and token_file is None:
+        return None
+    config = AuthConfig(auth_file, token_file, metrics_no_auth, login_timeout)
+    try:
+        check_files(config)
+    except CredentialsError as exc:
+        raise ConfigError(str(exc)) from None
+    return config
 
 
 def _env(environ: Mapping[str, str], name: str) -> str | None:
@@ -633,6 +691,7 @@ def parse_server_config(
         tls=tls,
         plain_port=plain_port,
         request_timeout=request_timeout,
+        auth=_auth_config(args),
     )
     return config, args
 

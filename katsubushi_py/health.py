@@ -70,8 +70,9 @@ def tls_targets(found: list[Target], settings: dict[str, object]) -> tuple[list[
     return found, context
 
 
-def fetch_one_id(target: Target, timeout: float, context: ssl.SSLContext | None = None) -> int:
-    """Send ``GET health`` and return the ID of a well-formed reply; raise HealthError otherwise.
+def fetch_one_id(target: Target, timeout: float, login: bytes = b"", context: ssl.SSLContext | None = None) -> int:
+    """Send ``GET health`` (after ``login``, a text login with noreply, when the daemon has
+    --auth-file) and return the ID of a well-formed reply; raise HealthError otherwise.
     ``context``: over TLS to a TCP target."""
     deadline = time.monotonic() + timeout
     try:
@@ -89,7 +90,7 @@ def fetch_one_id(target: Target, timeout: float, context: ssl.SSLContext | None 
             if context is not None:
                 conn = context.wrap_socket(conn)
         with conn:
-            conn.sendall(_REQUEST)
+            conn.sendall(login + _REQUEST)
             reply = b""
             while not (reply.endswith(b"END\r\n") or (reply.endswith(b"\r\n") and not reply.startswith(b"VALUE"))):
                 left = deadline - time.monotonic()

@@ -211,8 +211,10 @@ class Checker:
         worker, token = holding.worker_id, holding.lease.token
         for id_ in ids:
             if (id_ >> WORKER_SHIFT) & WORKER_MASK != worker:
-                raise Violation(f"{process.name} issued {id_} (worker id {(id_ >> WORKER_SHIFT) & WORKER_MASK})"
-                                f" under its lease on worker id {worker}")
+                raise Violation(
+                    f"{process.name} issued {id_} (worker id {(id_ >> WORKER_SHIFT) & WORKER_MASK})"
+                    f" under its lease on worker id {worker}"
+                )
         before = len(self.seen)
         self.seen.update(ids)
         if len(self.seen) != before + len(ids):
@@ -261,8 +263,22 @@ class Faults:
     others (daemons, clocks, the network, records, replicas) overlap freely."""
 
     KINDS = (
-        "pause", "crash", "stop", "host_clock", "host_ntp", "redis_clock", "restart", "failover", "two_masters",
-        "replica_link", "slow_replica", "redis_pause", "damage", "net", "lost_replies", "reboot",
+        "pause",
+        "crash",
+        "stop",
+        "host_clock",
+        "host_ntp",
+        "redis_clock",
+        "restart",
+        "failover",
+        "two_masters",
+        "replica_link",
+        "slow_replica",
+        "redis_pause",
+        "damage",
+        "net",
+        "lost_replies",
+        "reboot",
     )
 
     def __init__(self, sim: Simulation) -> None:
@@ -674,9 +690,7 @@ class Faults:
 class Simulation:
     """One world, from its seed."""
 
-    def __init__(
-        self, seed: int, steps: int, backend: Backend, trace: bool = False, known_gaps: bool = False
-    ) -> None:
+    def __init__(self, seed: int, steps: int, backend: Backend, trace: bool = False, known_gaps: bool = False) -> None:
         self.seed = seed
         self.steps = steps
         self.known_gaps = known_gaps  # let the faults reach the documented gaps (they then fail)
@@ -927,9 +941,20 @@ class Simulation:
             if process.keeper is None:
                 continue
             s = process.keeper.stats
-            for name in ("acquires", "renewals", "renew_failures", "worker_id_changes", "data_loss_events",
-                         "redis_changes", "kept_through_change", "quarantined_ids", "skipped_live_leases",
-                         "redis_clock_steps", "master_changes", "replica_ack_failures"):
+            for name in (
+                "acquires",
+                "renewals",
+                "renew_failures",
+                "worker_id_changes",
+                "data_loss_events",
+                "redis_changes",
+                "kept_through_change",
+                "quarantined_ids",
+                "skipped_live_leases",
+                "redis_clock_steps",
+                "master_changes",
+                "replica_ack_failures",
+            ):
                 self.stats[name] += getattr(s, name)
 
 
@@ -1113,11 +1138,15 @@ def run_seeds(
 
 def summary_line(r: Result) -> str:
     c = r.config
-    world = (f"{c.hosts} hosts, ids {c.min_id}..{c.max_id}, {c.replicas} replicas"
-             f"{' acks=0' if c.replica_acks == 0 else ''}, ttl {c.ttl:g}s, skew {c.skew_max:g}s")
+    world = (
+        f"{c.hosts} hosts, ids {c.min_id}..{c.max_id}, {c.replicas} replicas"
+        f"{' acks=0' if c.replica_acks == 0 else ''}, ttl {c.ttl:g}s, skew {c.skew_max:g}s"
+    )
     head = f"seed {r.seed}: {'FAILED' if r.error else 'ok'} ({world})"
-    body = (f"{r.steps} steps, {r.virtual_seconds:.0f}s simulated in {r.wall_seconds:.1f}s, {r.ids} IDs,"
-            f" {sum(r.faults.values())} faults, {r.scripts} scripts, digest {r.digest}")
+    body = (
+        f"{r.steps} steps, {r.virtual_seconds:.0f}s simulated in {r.wall_seconds:.1f}s, {r.ids} IDs,"
+        f" {sum(r.faults.values())} faults, {r.scripts} scripts, digest {r.digest}"
+    )
     if r.error:
         return f"{head}\n  at step {r.step_of_error}: {r.error}\n  replay: {r.replay()}"
     return f"{head}: {body}"
@@ -1133,8 +1162,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=5000, help="steps per seed (default 5000)")
     parser.add_argument("--trace", action="store_true", help="print every fault, daemon event and log line")
     parser.add_argument("--json", help="write the results as JSON here")
-    parser.add_argument("--known-gaps", action="store_true",
-                        help="let faults reach the documented gaps (docs/guarantees.md): runs may then fail")
+    parser.add_argument(
+        "--known-gaps",
+        action="store_true",
+        help="let faults reach the documented gaps (docs/guarantees.md): runs may then fail",
+    )
     parser.add_argument("--plant", choices=PLANTED_BUGS, help="break the production code on purpose (see planted_bug)")
     args = parser.parse_args(argv)
     if args.seed is not None:
@@ -1155,10 +1187,12 @@ def main(argv: list[str] | None = None) -> int:
         stats.update(r.stats)
         calm.update(r.calm)
     elapsed = real_time.perf_counter() - started
-    print(f"\n{len(results)} seeds ({seeds[0]}..{seeds[-1]}), {total_steps} steps, "
-          f"{sum(r.virtual_seconds for r in results):.0f}s simulated, {sum(r.ids for r in results)} IDs, "
-          f"{sum(faults.values())} faults in {elapsed:.0f}s ({total_steps / elapsed:.0f} steps/s); "
-          f"{len(failed)} failed")
+    print(
+        f"\n{len(results)} seeds ({seeds[0]}..{seeds[-1]}), {total_steps} steps, "
+        f"{sum(r.virtual_seconds for r in results):.0f}s simulated, {sum(r.ids for r in results)} IDs, "
+        f"{sum(faults.values())} faults in {elapsed:.0f}s ({total_steps / elapsed:.0f} steps/s); "
+        f"{len(failed)} failed"
+    )
     print("faults: " + ", ".join(f"{k} {v}" for k, v in sorted(faults.items())))
     print("keepers: " + ", ".join(f"{k} {v}" for k, v in sorted(stats.items())))
     print("calm stretches: " + ", ".join(f"{k} {v}" for k, v in sorted(calm.items())))

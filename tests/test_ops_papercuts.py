@@ -167,8 +167,9 @@ def test_which_addresses_count_as_beyond_loopback(
         assert lines == [
             f"listening beyond loopback ({', '.join(exposed)}) with no authentication or encryption: anyone"
             " who can reach these addresses can take IDs and read its stats, in clear text; turn on TLS"
-            " (--tls-cert, --tls-key) and require client certificates (--tls-ca, --tls-verify require), or"
-            " allow only your applications (a firewall, a private network, a Kubernetes NetworkPolicy)"
+            " (--tls-cert, --tls-key) and require client certificates (--tls-ca, --tls-verify require) or"
+            " logins: --auth-file (memcached), --token-file (HTTP, gRPC); or allow only your applications (a"
+            " firewall, a private network, a Kubernetes NetworkPolicy)"
         ]
         # With TLS but no client certificates required, the warning says what is still missing.
         tls = TlsConfig(cert="server.pem")

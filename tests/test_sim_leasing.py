@@ -50,9 +50,20 @@ def test_leases_hold_under_every_fault() -> None:
     assert sum(faults.values()) > 300
     # ... and they reached the keepers: leases lost and taken again, Redis seen restarting, failing over,
     # losing data, its clock stepping, ids quarantined, replicas not acknowledging.
-    for counter in ("renewals", "acquires", "worker_id_changes", "data_loss_events", "redis_changes",
-                    "kept_through_change", "quarantined_ids", "master_changes", "redis_clock_steps",
-                    "replica_ack_failures", "renew_failures", "skipped_live_leases"):
+    for counter in (
+        "renewals",
+        "acquires",
+        "worker_id_changes",
+        "data_loss_events",
+        "redis_changes",
+        "kept_through_change",
+        "quarantined_ids",
+        "master_changes",
+        "redis_clock_steps",
+        "replica_ack_failures",
+        "renew_failures",
+        "skipped_live_leases",
+    ):
         assert stats[counter] > 0, f"no keeper counted {counter}: {dict(stats)}"
     # The daemons served between the storms: IDs issued by every world, and the fleet serving again at
     # the end of most calm stretches.
@@ -68,7 +79,10 @@ def test_a_seed_replays_exactly() -> None:
     assert first.error is None and second.error is None
     assert first.digest == second.digest
     assert (first.ids, first.faults, first.scripts, first.virtual_seconds) == (
-        second.ids, second.faults, second.scripts, second.virtual_seconds
+        second.ids,
+        second.faults,
+        second.scripts,
+        second.virtual_seconds,
     )
     assert other.digest != first.digest
 

@@ -44,7 +44,9 @@ def test_an_id_out_of_order_on_a_connection_is_counted() -> None:
 def test_a_short_soak_of_every_kind_of_client(tmp_path: Path) -> None:
     done = subprocess.run(
         [sys.executable, str(SOAK), "--seconds", "6", "--connections", "22", "--out", str(tmp_path)],
-        capture_output=True, text=True, timeout=120,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert done.returncode == 0, done.stdout + done.stderr
     summary = json.loads((tmp_path / "soak.json").read_text())

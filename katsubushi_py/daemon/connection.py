@@ -33,6 +33,7 @@ import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Protocol
 
+from ..auth.gate import AuthGate
 from ..compiled import speedups
 from ..frontends.binary import REQUEST_MAGIC, BinaryConnection
 from ..frontends.fastpath import COMPILED
@@ -145,6 +146,10 @@ class ConnectionHandler(ProtocolCore, asyncio.Protocol):
             return
         if self._open_protocol is not None:
             self._use(self._open_protocol())
+        elif daemon.credentials is not None and daemon.credentials.users_enabled:
+            # --auth-file: the login first; the real protocol (compiled where built) once it succeeds.
+            self._use(AuthGate(daemon.credentials, daemon.issuer.version, self._logged_in))
+            daemon.loop.call_later(daemon.credentials.config.login_timeout, self._login_deadline)
         else:
             # Text until the first byte says otherwise (the idle timer may read its activity before that).
             self._conn = TextConnection(daemon.issuer, gets_cas=daemon.config.gets_cas)
@@ -162,6 +167,25 @@ class ConnectionHandler(ProtocolCore, asyncio.Protocol):
         conn = BinaryConnection(self._daemon.issuer) if data[0] == REQUEST_MAGIC else self._conn
         self._use(conn)
         return conn.receive(data)
+
+    def _logged_in(self, protocol: str, rest: bytes) -> bytes:
+        """The client has authenticated: from now on its reads go to the real protocol, exactly as on
+        a connection without authentication; the reply to what followed the login in the same read."""
+        daemon = self._daemon
+        if protocol == "binary":
+            conn: TextConnection | BinaryConnection = BinaryConnection(daemon.issuer)
+        else:
+            conn = TextConnection(daemon.issuer, gets_cas=daemon.config.gets_cas)
+        self._use(conn)
+        return conn.receive(rest) if rest else b""
+
+    def _login_deadline(self) -> None:
+        """--login-timeout: a connection still not logged in is closed (it would hold a place under
+        --max-connections for the whole idle timeout)."""
+        transport = self._transport
+        if isinstance(self._conn, AuthGate) and transport is not None and not transport.is_closing():
+            log.debug("closing a connection that did not log in within --login-timeout")
+            transport.close()
 
     def _data_received(self, data: bytes) -> None:
         reply = self._receive(data)

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .. import __version__
+from ..auth import AuthConfig, Credentials, CredentialsError
 from ..compiled import IMPLEMENTATION, WHY_NOT_COMPILED
 from ..config import ServerConfig
 from ..issuing.errors import GenerationError
@@ -43,10 +44,12 @@ log = logging.getLogger("katsubushi_py")
 _SPARE_FDS = 32
 
 
-def startup_warnings(addresses: list[str], tls: TlsConfig | None = None) -> list[str]:
+def startup_warnings(addresses: list[str], tls: TlsConfig | None = None, auth: AuthConfig | None = None) -> list[str]:
     """What an operator should know about how this daemon runs, logged once it listens (so that a
-    failed start stays one line): the pure-Python hot path, and listeners beyond loopback without
-    TLS, or with TLS but without client certificates required."""
+    failed start stays one line): the pure-Python hot path, and listeners beyond loopback without TLS
+    (with TLS, every TCP listener but the loopback --plain-port has it) or without authentication
+    (client certificates required, or ``auth``: --auth-file the memcached ones, --token-file HTTP and
+    gRPC)."""
     lines = []
     if IMPLEMENTATION != "compiled":
         advice = (
@@ -60,20 +63,39 @@ def startup_warnings(addresses: list[str], tls: TlsConfig | None = None) -> list
             f" path's IDs/s with pipelined and multi-key GETs (bench/RESULTS.md){advice}"
         )
     exposed = [address for address in addresses if not _is_local(address)]
+    covered = [address for address in exposed if _authenticated(address, auth)]
+    exposed = [address for address in exposed if address not in covered]
+    logins = "logins: --auth-file (memcached), --token-file (HTTP, gRPC)"
     if exposed and tls is None:
         lines.append(
             f"listening beyond loopback ({', '.join(exposed)}) with no authentication or encryption: anyone"
             " who can reach these addresses can take IDs and read its stats, in clear text; turn on TLS"
-            " (--tls-cert, --tls-key) and require client certificates (--tls-ca, --tls-verify require), or"
-            " allow only your applications (a firewall, a private network, a Kubernetes NetworkPolicy)"
+            " (--tls-cert, --tls-key) and require client certificates (--tls-ca, --tls-verify require) or"
+            f" {logins}; or allow only your applications (a firewall, a private network, a Kubernetes"
+            " NetworkPolicy)"
         )
     elif exposed and tls is not None and tls.verify != "require":
         lines.append(
             f"listening beyond loopback ({', '.join(exposed)}) with TLS but no authentication: anyone who can"
             " reach these addresses can take IDs and read its stats; require client certificates (--tls-ca,"
-            " --tls-verify require) or allow only your applications (a firewall, a NetworkPolicy)"
+            f" --tls-verify require) or {logins}; or allow only your applications (a firewall, a"
+            " NetworkPolicy)"
+        )
+    if covered and tls is None:
+        lines.append(
+            f"listening beyond loopback ({', '.join(covered)}) with authentication but no encryption:"
+            " passwords, tokens and IDs cross the network in clear text; turn on TLS (--tls-cert, --tls-key)"
         )
     return lines
+
+
+def _authenticated(address: str, auth: AuthConfig | None) -> bool:
+    """Whether the listener at ``address`` asks for credentials."""
+    if auth is None:
+        return False
+    if address.startswith(("http://", "grpc://")):
+        return auth.token_file is not None
+    return auth.auth_file is not None
 
 
 def _is_local(address: str) -> bool:
@@ -173,17 +195,47 @@ class Daemon:
         self._own_socket = False
         self.tls: TlsServer | None = None  # made by start() (the files are read again there)
         self.deadlines: RequestDeadlines | None = None
-        #: What SIGHUP and memcached's ``refresh_certs`` reload: callables returning None or why not.
-        self.reloaders: list[Callable[[], str | None]] = []
+        #: What SIGHUP rereads (credentials; certificates where TLS is served), and memcached's
+        #: ``refresh_certs`` the certificates: callables returning None or why not. Each keeps what it
+        #: has when its files are not usable, and says so in the log.
+        self.reloaders: list[Callable[[], object]] = []
         #: Set by the --workers supervisor's processes: a reload asks the supervisor to reload all.
         self.tell_supervisor = False
         self.issuer.refresh_certs = self.refresh_certs  # type: ignore[attr-defined]
+        self.credentials: Credentials | None = None
+        if config.auth is not None:
+            try:
+                self.credentials = Credentials(config.auth)
+            except CredentialsError as exc:
+                raise StartupError(str(exc)) from None
+            self.reloaders += [self.credentials.reload, self.forget_headers]
+            self.stats.auth = self.credentials.stat_fields
+
+    def forget_headers(self) -> None:
+        """After the credentials are reread: every gRPC connection forgets the header blocks its fast
+        path recognises by their bytes (each carried a token checked against the old tokens), so the
+        next call of each is decoded and its token checked again."""
+        for handler in list(self.connections):
+            forget = getattr(handler._conn, "_cache_clear", None)
+            if forget is not None:
+                forget()
 
     def reload(self) -> str | None:
-        """SIGHUP: reload what can be reloaded (the TLS certificates, ...); the first failure's reason."""
-        failures = [reason for reason in (reload() for reload in self.reloaders) if reason is not None]
+        """SIGHUP: every reloader in turn (credentials, certificates); one that fails is logged and does
+        not stop the others. Returns the first failure's reason."""
         if not self.reloaders:
-            log.info("SIGHUP: nothing to reload (no --tls-cert)")
+            log.info("SIGHUP: nothing to reload (no --tls-cert, --auth-file or --token-file)")
+            return None
+        log.info("SIGHUP: reloading")
+        failures = []
+        for reloader in self.reloaders:
+            try:
+                reason = reloader()
+            except Exception:
+                log.exception("reload failed; the previous settings stay in use")
+                reason = "reload failed"
+            if isinstance(reason, str):
+                failures.append(reason)
         return failures[0] if failures else None
 
     def refresh_certs(self) -> str | None:
@@ -251,6 +303,9 @@ class Daemon:
         memcached = ("text", "binary", "meta")  # the memcached listeners serve all three
         protocols = (*memcached, "http", "grpc") if self.config.grpc_port is not None else (*memcached, "http")
         api = HttpApi(self.issuer, metrics_renderer(make_registry(self.stats, self.issuer, protocols)))
+        credentials = self.credentials
+        if credentials is not None and credentials.tokens_enabled:
+            api.require_token(credentials, metrics_open=credentials.config.metrics_no_auth)
 
         def factory() -> ConnectionHandler:
             return ConnectionHandler(self, lambda: HttpConnection(api), TOO_MANY_CONNECTIONS)
@@ -268,6 +323,9 @@ class Daemon:
         from ..frontends.grpc_service import GrpcService
 
         service = GrpcService(self.issuer)
+        credentials = self.credentials
+        if credentials is not None and credentials.tokens_enabled:
+            service.credentials = credentials  # every call's token checked (see GrpcConnection._headers)
 
         def factory() -> ConnectionHandler:
             return ConnectionHandler(self, lambda: GrpcConnection(service), TOO_MANY_CONNECTIONS)
@@ -439,15 +497,15 @@ async def serve(
     stop = asyncio.Event()
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, stop.set)
-    daemon_for_hup: list[Daemon] = []
-    loop.add_signal_handler(signal.SIGHUP, lambda: [d.reload() for d in daemon_for_hup])
+    hangup: list[Daemon] = []  # SIGHUP reloads once the daemon exists; before, it is ignored
+    loop.add_signal_handler(signal.SIGHUP, lambda: [d.reload() for d in hangup])
     keeper: LeaseKeeper | None = None
     keeping: asyncio.Task[None] | None = None
     daemon: Daemon | None = None
     try:
         daemon = Daemon(config, generator, loop, listeners)
         daemon.tell_supervisor = listeners is not None
-        daemon_for_hup.append(daemon)
+        hangup.append(daemon)
         issuer = daemon.issuer
         if config.lease is not None:
             lease = config.lease
@@ -504,7 +562,7 @@ async def serve(
             )
             keeping = loop.create_task(keeper.run(generator))
         if listeners is None:  # (the --workers supervisor says it once for all its processes)
-            for line in startup_warnings(daemon.addresses, config.tls):
+            for line in startup_warnings(daemon.addresses, config.tls, config.auth):
                 log.warning("%s", line)
         if ready is not None:
             ready(daemon)

@@ -28,6 +28,7 @@ class Stats:
     """Plain counters: the event loop is single-threaded, so no locking is needed."""
 
     __slots__ = (
+        "auth",
         "curr_connections",
         "extra",
         "idle_timeout",
@@ -54,6 +55,8 @@ class Stats:
         # More fields from elsewhere, appended after ours: the Redis lease, then (--workers) the
         # summary over every worker process.
         self.extra: Callable[[], list[tuple[str, object]]] | None = None
+        # With --auth-file or --token-file: memcached's auth_cmds and auth_errors, and ours.
+        self.auth: Callable[[], list[tuple[str, object]]] | None = None
         self.processes: Callable[[], list[tuple[str, object]]] | None = None
 
     def fields(self) -> list[tuple[str, object]]:
@@ -85,6 +88,7 @@ class Stats:
             ("rejected_connections", self.rejected_connections),
             ("idle_timeout", int(self.idle_timeout)),
             ("implementation", IMPLEMENTATION),  # "compiled" or "python": which hot path runs
+            *(self.auth() if self.auth is not None else ()),
             *(self.extra() if self.extra is not None else ()),
             *(self.processes() if self.processes is not None else ()),
         ]

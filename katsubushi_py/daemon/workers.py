@@ -278,7 +278,9 @@ class Supervisor:
                 signal.pthread_sigmask(signal.SIG_SETMASK, set())
                 for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGCHLD):
                     signal.signal(signum, signal.SIG_DFL)
-                signal.signal(signal.SIGHUP, signal.SIG_IGN)  # until its loop handles it (a reload)
+                # A reload asked for before this process serves has nothing to reload yet (its files
+                # are read as it starts): ignored until serve() installs the handler, not fatal.
+                signal.signal(signal.SIGHUP, signal.SIG_IGN)
                 mine = {id(sock) for sock in _all(slot.listeners)}
                 for other in self.slots:  # another process's SO_REUSEPORT socket must not stay open here
                     for sock in _all(other.listeners):
@@ -307,7 +309,7 @@ class Supervisor:
                 len(self.slots),
                 ", ".join(str(slot.pid) for slot in self.slots),
             )
-            for line in startup_warnings(self.addresses(), self.config.tls):
+            for line in startup_warnings(self.addresses(), self.config.tls, self.config.auth):
                 log.warning("%s", line)
             while not self._stopping:
                 timeout = self._next_restart_in()
@@ -318,11 +320,12 @@ class Supervisor:
                 if info is not None and info.si_signo in (signal.SIGTERM, signal.SIGINT):
                     log.info("stopping %d worker processes", len(self.slots))
                     break
-                if info is not None and info.si_signo == signal.SIGHUP:  # a reload: every process reloads
+                if info is not None and info.si_signo == signal.SIGHUP:  # a reload: every process rereads
                     for slot in self.slots:
                         if slot.pid:
                             with contextlib.suppress(ProcessLookupError):
                                 os.kill(slot.pid, signal.SIGHUP)
+                    continue
                 failed = self._reap()
                 if failed is not None:
                     status = 1

@@ -158,6 +158,10 @@ class GrpcConnection(GrpcCore):
     ``closing``, ``wait``, ``activity``), so the daemon's connection glue drives it; plus
     :meth:`goodbye`, the GOAWAY sent before the connection is closed (shutdown, idle timeout)."""
 
+    #: The connection glue's "input held until the reply is written": never here (h2's flow control
+    #: and MAX_STREAMS bound what a client can make it hold), as for HTTP.
+    backlog = False
+
     __slots__ = (
         "_calls",
         "_draining",
@@ -409,6 +413,14 @@ class GrpcConnection(GrpcCore):
         if not neutral:
             self._cache_clear()
         method, length = plain_call(headers)
+        credentials = self._service.credentials
+        if method and credentials is not None:
+            # --token-file: the call goes to the fast path only with a good token (else h2 opens it and
+            # _request refuses it). A block remembered here carries a token checked against the
+            # credentials in use: a reload makes every connection forget them (Daemon.forget_headers).
+            token = next((value for name, value in headers if name == b"authorization"), None)
+            if not credentials.check_authorization(token, count=False):
+                method = 0
         if not neutral:
             block = literal_block(headers)
         if method:  # (the fast path has no call pending here: it hands them all over before the slow path runs)
@@ -451,9 +463,11 @@ class GrpcConnection(GrpcCore):
     # -- calls -----------------------------------------------------------------------------------
     def _request(self, sid: int, headers: list[tuple[bytes, bytes]], ended: bool) -> None:
         self.activity += 1
-        method = path = ctype = encoding = timeout = None
+        method = path = ctype = encoding = timeout = authorization = None
         for name, value in headers:
-            if name == b":path":
+            if name == b"authorization":
+                authorization = value
+            elif name == b":path":
                 path = value
             elif name == b":method":
                 method = value
@@ -478,6 +492,11 @@ class GrpcConnection(GrpcCore):
         if method != b"POST":
             shown = (method or b"").decode("utf-8", "replace")
             self._abort(sid, b"405", svc.INTERNAL, f'method "{shown}" is not allowed: gRPC calls are POST')
+            return
+        credentials = self._service.credentials
+        if credentials is not None and not credentials.check_authorization(authorization):
+            text = "invalid bearer token" if authorization else "missing metadata authorization: Bearer <token>"
+            self._abort(sid, b"200", svc.UNAUTHENTICATED, text)
             return
         code = svc.METHODS.get(path or b"")
         if code is None:

@@ -21,6 +21,7 @@ from google.protobuf import descriptor_pb2
 from google.protobuf.message import DecodeError
 from grpc_reflection.v1alpha import reflection_pb2 as rpb
 
+from ..auth.credentials import Credentials
 from ..issuing.issuer import MAX_IDS_PER_REQUEST, Failure, Issuer
 from . import katsubushi_pb2 as pb
 from .http import too_many_ids
@@ -33,6 +34,7 @@ RESOURCE_EXHAUSTED = 8
 UNIMPLEMENTED = 12
 INTERNAL = 13
 UNAVAILABLE = 14
+UNAUTHENTICATED = 16
 
 #: Method codes: what a request's ``:path`` names. The compiled fast path knows 1 and 2.
 FETCH = 1
@@ -103,6 +105,8 @@ class GrpcService:
         self.issuer = issuer
         self.counters = issuer.counters("grpc")
         self.reflection = Reflection()
+        #: --token-file: every call needs the metadata ``authorization: Bearer <token>`` (see grpc_h2).
+        self.credentials: Credentials | None = None
 
     def unary(self, method: int, message: bytes) -> Reply:
         """The reply to a complete unary call. Raises :class:`~..issuing.errors.ClockWait` (nothing

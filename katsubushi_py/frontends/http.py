@@ -49,6 +49,7 @@ from urllib.parse import unquote_to_bytes
 
 import httptools
 
+from ..auth.credentials import Credentials
 from ..ids.encodings import EncodingError, decode
 from ..ids.layout import LayoutError
 from ..ids.tools import decode_record
@@ -66,6 +67,7 @@ MAX_PIPELINED = 100
 _REASONS = {
     200: b"200 OK",
     400: b"400 Bad Request",
+    401: b"401 Unauthorized",
     404: b"404 Not Found",
     405: b"405 Method Not Allowed",
     413: b"413 Content Too Large",
@@ -154,6 +156,7 @@ class Request(NamedTuple):
     accept: bytes
     keep_alive: bool
     version: str
+    authorization: bytes = b""  # the Authorization header (checked only with --token-file)
 
 
 class Refusal(NamedTuple):
@@ -182,6 +185,14 @@ class HttpApi:
         }
         if metrics is not None:
             self._routes[b"/metrics"] = self._metrics_route
+        self._credentials: Credentials | None = None
+        self._open: frozenset[bytes] = frozenset()
+
+    def require_token(self, credentials: Credentials, metrics_open: bool = False) -> None:
+        """--token-file: every route but /healthz (and /metrics with ``metrics_open``) needs
+        ``Authorization: Bearer <token>``; without it, 401 and a ``WWW-Authenticate`` challenge."""
+        self._credentials = credentials
+        self._open = frozenset((b"/healthz", b"/metrics") if metrics_open else (b"/healthz",))
 
     def respond(self, request: Request | Refusal) -> bytes:
         """The response to one request. Raises :class:`ClockWait` (nothing sent, nothing counted) when
@@ -202,12 +213,30 @@ class HttpApi:
         if route is None and not path.startswith(b"/decode/"):
             body = b"" if request.method == b"HEAD" else error_body("not found")
             return response(404, JSON, body, request.keep_alive)
+        credentials = self._credentials
+        if (
+            credentials is not None
+            and path not in self._open
+            and not credentials.check_authorization(request.authorization)
+        ):
+            return self._unauthorized(request)
         if request.method != b"GET":
             body = b"" if request.method == b"HEAD" else error_body("method not allowed: use GET")
             return response(405, JSON, body, request.keep_alive, b"Allow: GET\r\n")
         if route is None:
             return self._decode(request, path[len(b"/decode/") :], query)
         return route(request, query)
+
+    def _unauthorized(self, request: Request) -> bytes:
+        """401 with RFC 6750's challenge (``invalid_token`` when a token was given and is wrong)."""
+        if request.authorization:
+            challenge = b'WWW-Authenticate: Bearer realm="katsubushi-py", error="invalid_token"\r\n'
+            message = "invalid bearer token"
+        else:
+            challenge = b'WWW-Authenticate: Bearer realm="katsubushi-py"\r\n'
+            message = "authentication required: send Authorization: Bearer <token>"
+        body = b"" if request.method == b"HEAD" else error_body(message)
+        return response(401, JSON, body, request.keep_alive, challenge)
 
     # -- routes ----------------------------------------------------------------------------------
     def _reply(self, request: Request, status: int, content_type: bytes, body: bytes) -> bytes:
@@ -279,6 +308,7 @@ class HttpConnection:
 
     __slots__ = (
         "_api",
+        "_authorization",
         "_body",
         "_fresh_head",
         "_head",
@@ -307,6 +337,7 @@ class HttpConnection:
         self._pending = b""  # bytes that arrived while a request waits for the clock
         self._url = b""
         self._request_accept = b""
+        self._authorization = b""
         self._head = 0  # bytes of the current head's target and complete headers
         self._head_fed = 0  # bytes fed to the parser since the current head began (at most)
         self._headers = 0
@@ -388,6 +419,7 @@ class HttpConnection:
             self._refuse(429, f"more than {MAX_PIPELINED} pipelined requests: read the responses before sending more")
         self._url = b""
         self._request_accept = b""
+        self._authorization = b""
         self._head = self._head_fed = self._headers = self._body = 0
         self._in_head = self._fresh_head = True
 
@@ -403,7 +435,9 @@ class HttpConnection:
             self._refuse(431, f"more than {MAX_HEADERS} header fields")
         if self._head + len(self._url) > MAX_HEAD:
             self._refuse(431, f"request header section over {MAX_HEAD} bytes")
-        if len(name) == 6 and name.lower() == b"accept":
+        if len(name) == 13 and name.lower() == b"authorization":
+            self._authorization = value
+        elif len(name) == 6 and name.lower() == b"accept":
             self._request_accept = self._request_accept + b"," + value if self._request_accept else value
         elif (
             len(name) == 14 and name.lower() == b"content-length" and value.strip().isdigit() and int(value) > MAX_BODY
@@ -427,6 +461,7 @@ class HttpConnection:
                 self._request_accept,
                 parser.should_keep_alive(),
                 parser.get_http_version(),
+                self._authorization,
             )
         )
         self.activity += 1

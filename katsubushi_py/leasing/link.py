@@ -169,9 +169,7 @@ class RedisLink:
         return result, "", new_connection
 
     # -- the clock at start ----------------------------------------------------------------------
-    async def clock_offset(
-        self, skew_max: float, local: Callable[[], float] | None = None
-    ) -> tuple[float, float]:
+    async def clock_offset(self, skew_max: float, local: Callable[[], float] | None = None) -> tuple[float, float]:
         """Local wall clock (``local``, unix seconds) minus Redis TIME, in seconds, and the round trip it
         was judged by; refuse to go on above ``skew_max``.
 
