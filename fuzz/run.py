@@ -6,14 +6,16 @@
 Each target starts from its seed corpus (fuzz/corpus/<target>/, valid requests) and keeps what it
 learns in a scratch directory (``--keep DIR`` to keep it); an input that fails is written to
 fuzz/findings/<target>/ (which tests/test_fuzz_regressions.py replays in the normal suite) and fails
-the run. With ``--sanitized`` the compiled modules are the ones scripts/sanitize-build.sh builds with
-AddressSanitizer and UndefinedBehaviorSanitizer, loaded with libasan preloaded: a sanitizer report
-fails the run too.
+the run. With ``--sanitized``, every input the run kept, every seed and every finding is then
+replayed (without atheris) on the build of scripts/sanitize-build.sh, both compiled modules with
+AddressSanitizer and UndefinedBehaviorSanitizer, libasan preloaded: a sanitizer report fails the run
+too. (Fuzzing itself under libasan would run blind: atheris's libFuzzer and gcc's libasan define the
+same coverage hooks, and with libasan preloaded libFuzzer sees no coverage.)
 
 Coverage: atheris instruments the Python code (the pure twins, the glue and tests/twins.py); the C
 cores are compiled by gcc without libFuzzer's instrumentation, so they are fuzzed by the inputs the
-Python coverage finds (their twins take the same branches), checked against their twin on every
-input, and under the sanitizers when ``--sanitized``.
+Python coverage finds (their twins take the same branches) and checked against their twin on every
+input.
 
 Prints one line per target: executions, seconds, executions per second, corpus size, and FAILED with
 the finding's file when there is one; ``--json FILE`` writes the same figures.
@@ -34,7 +36,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
-TARGET_NAMES = ["text", "binary", "http", "ids", "grpc", "transport"]
+TARGET_NAMES = ["text", "binary", "http", "ids", "grpc"]
 
 
 def child(target: str, libfuzzer_args: list[str]) -> None:
@@ -42,16 +44,30 @@ def child(target: str, libfuzzer_args: list[str]) -> None:
     import atheris
 
     sys.path.insert(0, str(HERE))
-    with atheris.instrument_imports(include=["katsubushi_py", "twins", "targets", "transport_target"]):
+    with atheris.instrument_imports(include=["katsubushi_py", "twins", "targets"]):
         import targets
 
-        if target == "transport":
-            import transport_target
-
-            targets.TARGETS["transport"] = transport_target.transport
     function = targets.TARGETS[target]
     atheris.Setup([sys.argv[0], *libfuzzer_args], function)
     atheris.Fuzz()
+
+
+def replay(target: str, directories: list[str]) -> None:
+    """In the replaying process (no atheris): every input of the directories through the target."""
+    sys.path.insert(0, str(HERE))
+    import targets
+
+    function = targets.TARGETS[target]
+    count = 0
+    for directory in directories:
+        for path in sorted(Path(directory).iterdir()):
+            try:
+                function(path.read_bytes())
+            except BaseException:
+                print(f"FAILED on {path}", file=sys.stderr, flush=True)
+                raise
+            count += 1
+    print(f"replayed {count} inputs", flush=True)
 
 
 def sanitized_env(build: Path) -> dict[str, str]:
@@ -116,6 +132,7 @@ def run_target(target: str, seconds: int, env: dict[str, str], keep: Path | None
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--child", help=argparse.SUPPRESS)
+    parser.add_argument("--replay", help=argparse.SUPPRESS)
     parser.add_argument("--target", action="append", choices=TARGET_NAMES, help="a target (repeatable)")
     parser.add_argument("--all", action="store_true", help="every target")
     parser.add_argument("--minutes", type=float, default=0, help="how long each target runs")
@@ -127,17 +144,22 @@ def main() -> int:
     if args.child:
         child(args.child, [a for a in rest if a != "--"])
         return 0
+    if args.replay:
+        replay(args.replay, [a for a in rest if a != "--"])
+        return 0
     targets = TARGET_NAMES if args.all else args.target
     if not targets:
         parser.error("--target or --all")
     seconds = int(args.minutes * 60) if args.minutes else args.seconds
-    env = dict(os.environ)
-    cwd = ROOT
-    build_dir = None
+    keep = args.keep
+    sanitized_build = None
     if args.sanitized:
-        build_dir = Path(tempfile.mkdtemp(prefix="katsubushi-fuzz-sanitized-"))
+        # atheris's libFuzzer takes its coverage from the same hooks gcc's libasan defines: with libasan
+        # preloaded the fuzzer runs blind. So the coverage-guided run is on the normal build, and every
+        # input it kept (and every seed and finding) is then replayed on the sanitized build.
+        sanitized_build = Path(tempfile.mkdtemp(prefix="katsubushi-fuzz-sanitized-"))
         out = subprocess.run(
-            ["bash", str(ROOT / "scripts" / "sanitize-build.sh"), str(build_dir)],
+            ["bash", str(ROOT / "scripts" / "sanitize-build.sh"), str(sanitized_build)],
             env={**os.environ, "PYTHON": sys.executable},
             capture_output=True,
             text=True,
@@ -145,12 +167,10 @@ def main() -> int:
         if out.returncode != 0:
             print(out.stdout + out.stderr, file=sys.stderr)
             return 1
-        env = sanitized_env(build_dir / "pkg")
-        cwd = build_dir / "pkg"  # so that nothing finds the worktree's unsanitized package first
+        keep = keep or sanitized_build / "corpus"
     check = subprocess.run(
         [sys.executable, "-c", "import katsubushi_py.compiled as c; print(c.IMPLEMENTATION, c.__file__)"],
-        env=env,
-        cwd=cwd,
+        cwd=ROOT,
         capture_output=True,
         text=True,
     )
@@ -158,7 +178,7 @@ def main() -> int:
     results = []
     failed = False
     for target in targets:
-        result = run_target(target, seconds, env, args.keep, cwd)
+        result = run_target(target, seconds, dict(os.environ), keep, ROOT)
         results.append(result)
         execs = result["executions"]
         rate = f"{execs / max(float(result['seconds']), 1e-9):.0f}/s" if execs else "?"
@@ -169,10 +189,30 @@ def main() -> int:
         print(line, flush=True)
         if result.get("log"):
             print(result["log"], file=sys.stderr, flush=True)
+        if sanitized_build is not None and keep is not None:
+            dirs = [keep / target, HERE / "corpus" / target, HERE / "findings" / target]
+            started = time.monotonic()
+            proc = subprocess.run(
+                [sys.executable, str(HERE / "run.py"), "--replay", target, "--", *map(str, dirs)],
+                env=sanitized_env(sanitized_build / "pkg"),
+                cwd=sanitized_build / "pkg",  # so that nothing finds the worktree's unsanitized package first
+                capture_output=True,
+                text=True,
+                errors="replace",
+            )
+            result["sanitized_replay"] = proc.stdout.strip()
+            result["sanitized_returncode"] = proc.returncode
+            line = f"{target:10} on the ASan/UBSan build: {proc.stdout.strip()} in {time.monotonic() - started:.1f} s"
+            if proc.returncode != 0:
+                failed = True
+                line += f"  FAILED (exit {proc.returncode})"
+            print(line, flush=True)
+            if proc.returncode != 0:
+                print(proc.stderr[-8000:], file=sys.stderr, flush=True)
     if args.json:
         args.json.write_text(json.dumps({"sanitized": args.sanitized, "results": results}, indent=1) + "\n")
-    if build_dir is not None:
-        shutil.rmtree(build_dir, ignore_errors=True)
+    if sanitized_build is not None:
+        shutil.rmtree(sanitized_build, ignore_errors=True)
     return 1 if failed else 0
 
 

@@ -62,3 +62,33 @@ def test_regression_binary_body_ending_with_a_read_leaves_the_parser_at_a_reques
     assert packet.status == UNKNOWN_COMMAND and whole.state == 0
     whole = check_splits("binary", data + request(NOOP, opaque=3), every=False, seed=8)
     assert [p.opcode for p in parse_all(whole.reply)] == [0xF5, NOOP]
+
+
+@pytest.mark.parametrize("pure", [False, True], ids=["compiled", "pure"])
+@pytest.mark.parametrize("length", [16_385, 0x4F4F4F, 0xFFFFFF])
+def test_regression_grpc_oversize_frame_header_is_refused_at_once(pure: bool, length: int) -> None:
+    """Found by fuzzing (gRPC target, a timeout): the 9-byte header of a frame over 16 KiB, alone,
+    after the preface. h2 judges a frame's length only once the whole frame is in, so it buffered the
+    header; the slow path kept it for the fast path too, which, steady, handed it back, over and over,
+    h2's buffer growing 9 bytes a turn until the "frame" was complete: 577,518 turns and 20 s of CPU
+    with the event loop held for a 5 MB length. Now GOAWAY FRAME_SIZE_ERROR from the header, at once,
+    in both twins."""
+    make, _ = targets._grpc_pair()
+    conn, _clock = make(pure)
+    calls = []
+    slow = type(conn)._receive_slow
+
+    def counting(self: object, data: bytes) -> bytes:
+        calls.append(len(data))
+        assert len(calls) < 10, "the slow path is called in a loop"
+        return slow(self, data)
+
+    cls = type(conn)  # (the connection has slots: its class is patched for the call)
+    cls._receive_slow = counting
+    try:
+        reply = conn.receive(targets.PREFACE + length.to_bytes(3, "big") + b"\x4f\x4f\x4f\x4f\x4f\x5d")
+    finally:
+        cls._receive_slow = slow
+    goaway = reply[-17:]
+    assert goaway[3] == 7 and int.from_bytes(goaway[-4:], "big") == 6, reply.hex()  # GOAWAY, FRAME_SIZE_ERROR
+    assert conn.closing and len(calls) <= 2
