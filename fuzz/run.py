@@ -36,7 +36,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
-TARGET_NAMES = ["text", "binary", "http", "ids", "grpc"]
+TARGET_NAMES = ["text", "binary", "http", "ids", "grpc", "transport"]
 
 
 def child(target: str, libfuzzer_args: list[str]) -> None:
@@ -44,8 +44,9 @@ def child(target: str, libfuzzer_args: list[str]) -> None:
     import atheris
 
     sys.path.insert(0, str(HERE))
-    with atheris.instrument_imports(include=["katsubushi_py", "twins", "targets"]):
+    with atheris.instrument_imports(include=["katsubushi_py", "twins", "targets", "transport_target"]):
         import targets
+        import transport_target  # noqa: F401  (instrumented now; targets.transport imports it)
 
     function = targets.TARGETS[target]
     atheris.Setup([sys.argv[0], *libfuzzer_args], function)

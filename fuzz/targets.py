@@ -344,7 +344,19 @@ def grpc(data: bytes) -> None:
         grpc_h2.time.monotonic = real_monotonic
 
 
+# -- the socket transport (fuzz/transport_target.py, which needs this module first) -------------------
+
+
+def transport(data: bytes) -> None:
+    """The memcached connection over a real socket pair and event loop: compiled transport and glue
+    against their pure twins."""
+    import transport_target
+
+    transport_target.transport(data)
+
+
 TARGETS: dict[str, Callable[[bytes], None]] = {
+    "transport": transport,
     "text": text,
     "binary": binary,
     "http": http,

@@ -26,14 +26,19 @@ pytest_bin=$(dirname "$(command -v "$python")")/pytest
 if [ $# -eq 0 ]; then
   set -- tests/test_splits.py tests/test_speedups.py tests/test_text_protocol.py tests/test_binary_protocol.py \
     tests/test_meta.py tests/test_http_protocol.py tests/test_socket_transport.py tests/test_grpc_twins.py \
-    tests/test_grpc_h2.py tests/test_fuzz_regressions.py -q -p no:cacheprovider
+    tests/test_grpc_h2.py tests/test_fuzz_regressions.py -q -p no:cacheprovider \
+    -k "not flood_of_settings_and_resets"
+  # (that test counts on 1,200 frames being parsed before the flood budget, refilled by the real
+  # clock, grows back: under the sanitizers they are not)
 fi
 
 mkdir -p "$work/reports"
 rm -f "$work"/reports/*
 # detect_leaks=0: CPython keeps its interned and cached objects to the end. log_path: reports of the
 # processes the tests start land there too.
-export LD_PRELOAD="$(gcc -print-file-name=libasan.so)"
+libasan=$(gcc -print-file-name=libasan.so)
+[ -e "$libasan" ] || { echo "gcc has no libasan.so here (Debian: libgcc-12-dev brings it)" >&2; exit 1; }
+export LD_PRELOAD="$libasan"
 export PYTHONMALLOC=malloc
 export ASAN_OPTIONS="detect_leaks=0:abort_on_error=1:halt_on_error=1:allocator_may_return_null=1:log_path=$work/reports/asan"
 export UBSAN_OPTIONS="halt_on_error=1:print_stacktrace=1:log_path=$work/reports/ubsan"
@@ -51,6 +56,7 @@ done
 status=0
 "$pytest_bin" -c "$root/pyproject.toml" --rootdir "$root" "${args[@]}" || status=$?
 unset LD_PRELOAD
+cd "$root"
 if ls "$work"/reports/* >/dev/null 2>&1; then
   echo "sanitizer reports:" >&2
   cat "$work"/reports/* >&2
