@@ -60,8 +60,8 @@ def replay(target: str, directories: list[str]) -> None:
 
     function = targets.TARGETS[target]
     count = 0
-    for directory in directories:
-        for path in sorted(Path(directory).iterdir()):
+    for directory in map(Path, directories):
+        for path in sorted(directory.iterdir()) if directory.is_dir() else []:
             try:
                 function(path.read_bytes())
             except BaseException:
