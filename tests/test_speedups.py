@@ -279,7 +279,7 @@ def test_connection_core_holds_its_generator_while_the_clock_runs() -> None:
     assert events == ["replaced", "generator freed", "returned"]
 
 
-@pytest.mark.parametrize("core", ["compiled", "python"])
+@pytest.mark.parametrize("core", [pytest.param("compiled", marks=needs_compiled), "python"])
 @pytest.mark.parametrize(("base", "count"), [(2**63 - 1, 1), (-1, 5), (5, -1), (2**62, 2**62)])
 def test_a_bucket_beyond_64_bits_is_refused(core: str, base: int, count: int) -> None:
     """``_set_bucket(2**63 - 1, 1, -1)`` made the compiled core's ``next + count`` overflow (undefined
