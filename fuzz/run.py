@@ -68,7 +68,10 @@ def replay(target: str, directories: list[str]) -> None:
                 print(f"FAILED on {path}", file=sys.stderr, flush=True)
                 raise
             count += 1
-    print(f"replayed {count} inputs", flush=True)
+    from katsubushi_py import compiled
+
+    where = Path(compiled.speedups.__file__).parent if compiled.speedups else compiled.WHY_NOT_COMPILED
+    print(f"replayed {count} inputs (compiled modules from {where})", flush=True)
 
 
 def sanitized_env(build: Path) -> dict[str, str]:
