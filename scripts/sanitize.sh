@@ -43,7 +43,6 @@ export PYTHONMALLOC=malloc
 export ASAN_OPTIONS="detect_leaks=0:abort_on_error=1:halt_on_error=1:allocator_may_return_null=1:log_path=$work/reports/asan"
 export UBSAN_OPTIONS="halt_on_error=1:print_stacktrace=1:log_path=$work/reports/ubsan"
 export PYTHONPATH="$work/pkg${PYTHONPATH:+:$PYTHONPATH}"
-export KATSUBUSHI_SANITIZED=1
 unset KATSUBUSHI_NO_EXTENSIONS
 cd "$work/pkg"  # python -m in the tests' subprocesses finds the sanitized copy first too
 "$python" -c 'import katsubushi_py, katsubushi_py.compiled as c, sys
