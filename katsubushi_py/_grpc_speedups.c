@@ -102,6 +102,21 @@ out_reserve(Out *o, Py_ssize_t more)
     return 0;
 }
 
+/* Append a bytes object. An empty one copies nothing: acc.p may still be NULL, and memcpy from or to
+ * NULL is undefined even for 0 bytes (UndefinedBehaviorSanitizer found this one, issue 23). */
+static int
+out_put_bytes(Out *o, PyObject *bytes)
+{
+    Py_ssize_t n = PyBytes_GET_SIZE(bytes);
+    if (n == 0)
+        return 0;
+    if (out_reserve(o, n) < 0)
+        return -1;
+    memcpy(o->p + o->len, PyBytes_AS_STRING(bytes), n);
+    o->len += n;
+    return 0;
+}
+
 static inline unsigned char *
 put_be(unsigned char *p, unsigned long long v, int n)
 {
@@ -800,20 +815,16 @@ GrpcCore_receive(GrpcCore *self, PyObject *data)
             first = part;
         } else {
             if (first != NULL) {
-                if (out_reserve(&acc, PyBytes_GET_SIZE(first)) < 0) {
+                if (out_put_bytes(&acc, first) < 0) {
                     Py_DECREF(part);
                     goto error;
                 }
-                memcpy(acc.p + acc.len, PyBytes_AS_STRING(first), PyBytes_GET_SIZE(first));
-                acc.len += PyBytes_GET_SIZE(first);
                 Py_CLEAR(first);
             }
-            if (out_reserve(&acc, PyBytes_GET_SIZE(part)) < 0) {
+            if (out_put_bytes(&acc, part) < 0) {
                 Py_DECREF(part);
                 goto error;
             }
-            memcpy(acc.p + acc.len, PyBytes_AS_STRING(part), PyBytes_GET_SIZE(part));
-            acc.len += PyBytes_GET_SIZE(part);
             Py_DECREF(part);
         }
         if (!slow || !self->fast || PyBytes_GET_SIZE(self->buffer) < 9)

@@ -89,6 +89,10 @@ gen_has(GenCore *self, long long k)
         return 0;
     if (gen_now(self, &now) < 0)
         return -1;
+    /* An injected clock is Python and may have set another bucket meanwhile: count again, so that
+     * next + k never passes stop (nor 2**63 - 1) whatever it did. */
+    if (__builtin_sub_overflow(self->stop, self->next, &left) || left < k)
+        return 0;
     return now < self->end_ns;
 }
 

@@ -294,3 +294,33 @@ def test_a_bucket_beyond_64_bits_is_refused(core: str, base: int, count: int) ->
         gen._set_bucket(base, count, -1)
     gen._set_bucket(2**63 - 2, 1, 2**62)
     assert (gen._bucket_left(), gen._take(), gen._take(), gen._bucket_left()) == (1, 2**63 - 2, None, 0)
+
+
+@needs_compiled
+@pytest.mark.parametrize("n", [1, 5])
+def test_a_clock_that_changes_the_bucket_cannot_push_ids_past_it(n: int) -> None:
+    """``gen_has`` counted the bucket before calling an injected clock, and the fast path then took
+    ``n`` IDs from whatever bucket the clock had left: a clock that set one with a single ID left made
+    ``next_ids`` issue IDs past its end (past 2**63 - 1 here: signed overflow). It counts again after
+    the clock; the request goes to the slow path."""
+
+    class Gen(speedups.GeneratorCore):  # type: ignore[name-defined,misc]
+        def _next_id_slow(self) -> str:
+            return "slow"
+
+        def _next_ids_slow(self, n: int) -> str:
+            return "slow"
+
+    gen = Gen()
+    gen._set_bucket(1 << 40, 100, 2**62)
+    calls: list[int] = []
+
+    def clock() -> int:
+        if not calls:
+            gen._set_bucket(2**63 - n, n - 1, 2**62)  # one ID fewer than asked for, the last ones of 63 bits
+        calls.append(1)
+        return 0
+
+    gen._use_clock(clock)
+    assert (gen.next_ids(n) if n > 1 else gen.next_id()) == "slow"
+    assert gen._bucket_left() == n - 1
