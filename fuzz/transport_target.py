@@ -65,6 +65,7 @@ class _Daemon:
         self.stats = Stats(issuer)
         self.connections: set[Any] = set()
         self.stopping = False
+        self.credentials = None  # no --auth-file: connections speak memcached from the first byte
 
     def connection_closed(self) -> None:
         pass
