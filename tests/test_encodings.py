@@ -2,7 +2,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from katsubushi_py.ids.encodings import ENCODINGS, MAX_U64, EncodingError, decode, encode
+from katsubushi_py.ids.encodings import ENCODINGS, MAX_U64, EncodingError, decode, decode_base32, encode
 
 u64 = st.integers(0, MAX_U64)
 
@@ -76,3 +76,11 @@ def test_unknown_encoding() -> None:
         encode(1, "base36")
     with pytest.raises(EncodingError):
         encode(-1, "hex")
+
+
+def test_base32_refuses_letters_that_upper_case_onto_crockfords() -> None:
+    """Found by fuzz/run.py (fuzz/findings/ids/): 'P' + U+0131 (a dotless i) upper-cased to 'PI' and
+    decoded as 705; any non-ASCII character is refused, as in every other encoding."""
+    for text in ("P\u0131", "\u0131", "\u017f0"):  # the dotless i; the long s upper-cases to S
+        with pytest.raises(EncodingError, match="bad character"):
+            decode_base32(text)

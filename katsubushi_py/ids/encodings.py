@@ -79,6 +79,10 @@ def encode_base32(value: int) -> str:
 
 
 def decode_base32(text: str) -> int:
+    # ASCII first: str.upper() maps some other letters onto Crockford's (U+0131, the dotless i, onto 'I').
+    if not text.isascii():
+        bad = next(ch for ch in text if not ch.isascii())
+        raise EncodingError(f"{text!r} is not a base32 ID: bad character {bad!r}")
     return _decode_crockford(text.upper().translate(_CROCKFORD_ALIASES))
 
 
