@@ -24,7 +24,12 @@ class Pair:
 
 def make_ca(directory: Path, name: str = "ca") -> Pair:
     cert, key = directory / f"{name}.pem", directory / f"{name}.key"
-    _openssl("req", "-x509", *_EC, "-keyout", str(key), "-out", str(cert), "-days", "3", "-subj", f"/CN={name}")
+    # The extensions Python 3.13's default contexts ask for (VERIFY_X509_STRICT): a CA's key usage.
+    _openssl(
+        "req", "-x509", *_EC, "-keyout", str(key), "-out", str(cert), "-days", "3", "-subj", f"/CN={name}",
+        "-addext", "basicConstraints=critical,CA:TRUE", "-addext", "keyUsage=critical,keyCertSign,cRLSign",
+        "-addext", "subjectKeyIdentifier=hash",
+    )  # fmt: skip
     return Pair(str(cert), str(key))
 
 
@@ -34,7 +39,9 @@ def issue(
     """A certificate signed by ``ca`` (``expired``: valid for one day in 2020, signed under libfaketime)."""
     cert, key, csr = directory / f"{name}.pem", directory / f"{name}.key", directory / f"{name}.csr"
     ext = directory / f"{name}.ext"
-    ext.write_text("extendedKeyUsage=clientAuth\n" if client else "subjectAltName=DNS:localhost,IP:127.0.0.1\n")
+    usage = "extendedKeyUsage=clientAuth\n" if client else "subjectAltName=DNS:localhost,IP:127.0.0.1\n"
+    # Python 3.13's strict verification also wants the issuer's key identifier on every certificate.
+    ext.write_text(usage + "authorityKeyIdentifier=keyid,issuer\nsubjectKeyIdentifier=hash\n")
     _openssl("req", "-new", *_EC, "-keyout", str(key), "-out", str(csr), "-subj", f"/CN={cn}")
     env = None
     if expired:
