@@ -28,8 +28,8 @@ from typing import TYPE_CHECKING, Any
 from . import __version__
 from .config import (
     ConfigError,
+    OneLineParser,
     ServerConfig,
-    _Parser,
     add_layout_options,
     build_parser,
     layout_from_args,
@@ -60,7 +60,7 @@ def _fail(message: str, status: int = 2) -> int:
 
 # -- tools -----------------------------------------------------------------------------------------
 def _tool_parser(name: str, description: str) -> argparse.ArgumentParser:
-    parser = _Parser(prog=f"{PROG} {name}", description=description, allow_abbrev=False)
+    parser = OneLineParser(prog=f"{PROG} {name}", description=description, allow_abbrev=False)
     add_layout_options(parser)
     return parser
 
@@ -125,7 +125,7 @@ def cmd_get(argv: Sequence[str]) -> int:
     from .client import DEFAULT_SERVERS, SERVERS_ENV, AllServersFailed, Client
     from .issuing.issuer import MAX_IDS_PER_REQUEST
 
-    parser = _Parser(prog=f"{PROG} get", description="Fetch IDs from katsubushi daemons (with failover).")
+    parser = OneLineParser(prog=f"{PROG} get", description="Fetch IDs from katsubushi daemons (with failover).")
     parser.add_argument("-n", type=int, default=1, help="how many IDs (default 1)")
     parser.add_argument(
         "--servers",
@@ -357,7 +357,7 @@ def cmd_lease(argv: Sequence[str]) -> int:
     from .leasing.keeper import init_pool
     from .leasing.pool import pool_snapshot, pool_stats
 
-    parser = _Parser(prog=f"{PROG} lease", description="Inspect or create the Redis pool of worker ids.")
+    parser = OneLineParser(prog=f"{PROG} lease", description="Inspect or create the Redis pool of worker ids.")
     sub = parser.add_subparsers(dest="action", required=True)
     for action, text in (
         (
