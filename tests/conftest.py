@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -80,6 +81,26 @@ def wait_for_port(port: int, proc: subprocess.Popen[bytes], timeout: float = 10.
         except OSError:
             time.sleep(0.02)
     raise RuntimeError(f"daemon did not listen on {port} within {timeout} s")
+
+
+@contextlib.contextmanager
+def memcached_server() -> Iterator[int]:
+    """A real memcached (the peer our replies are compared with) on a free loopback port; skips the
+    test where memcached is not installed."""
+    binary = shutil.which("memcached")
+    if binary is None:
+        pytest.skip("memcached is not installed (apt-get install memcached)")
+    port = free_port()
+    cmd = [binary, "-l", "127.0.0.1", "-p", str(port), "-U", "0", "-t", "1", "-m", "16"]
+    if os.geteuid() == 0:
+        cmd += ["-u", "root"]
+    proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        wait_for_port(port, proc)  # type: ignore[arg-type]
+        yield port
+    finally:
+        proc.kill()
+        proc.wait()
 
 
 def wait_for_unix(path: str, proc: subprocess.Popen[bytes], timeout: float = 10.0) -> None:

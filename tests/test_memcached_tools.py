@@ -17,7 +17,14 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from conftest import Daemon, DaemonFactory, decode, free_port, parse_values, recv_until, wait_for_port
+from conftest import (
+    Daemon,
+    DaemonFactory,
+    decode,
+    memcached_server,
+    parse_values,
+    recv_until,
+)
 from pymemcache.client.base import Client as PymemcacheClient
 from pymemcache.exceptions import MemcacheClientError
 
@@ -219,20 +226,8 @@ def test_pymemcache_sets_and_gets_on_one_connection(daemon: Daemon) -> None:
 
 @pytest.fixture
 def memcached() -> Iterator[int]:
-    binary = shutil.which("memcached")
-    if binary is None:
-        pytest.skip("memcached is not installed (apt-get install memcached)")
-    port = free_port()
-    cmd = [binary, "-l", "127.0.0.1", "-p", str(port), "-U", "0", "-t", "1", "-m", "16"]
-    if os.geteuid() == 0:
-        cmd += ["-u", "root"]
-    proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        wait_for_port(port, proc)  # type: ignore[arg-type]
+    with memcached_server() as port:
         yield port
-    finally:
-        proc.kill()
-        proc.wait()
 
 
 # Requests whose framing (how many replies, which errors, what is read as data) must be memcached's.

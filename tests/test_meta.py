@@ -4,14 +4,11 @@ the daemon, and beside a real memcached for the reply shapes."""
 from __future__ import annotations
 
 import itertools
-import os
-import shutil
 import socket
-import subprocess
 from collections.abc import Iterator
 
 import pytest
-from conftest import Daemon, DaemonFactory, FakeClock, decode, free_port, recv_until, wait_for_port
+from conftest import Daemon, DaemonFactory, FakeClock, decode, memcached_server, recv_until
 
 from katsubushi_py.frontends.text import MAX_LINE, TextConnection
 from katsubushi_py.issuing.generator import Generator
@@ -181,24 +178,12 @@ LONG_KEY = b"x" * 250
 
 @pytest.fixture
 def memcached() -> Iterator[int]:
-    binary = shutil.which("memcached")
-    if binary is None:
-        pytest.skip("memcached is not installed (apt-get install memcached)")
-    port = free_port()
-    cmd = [binary, "-l", "127.0.0.1", "-p", str(port), "-U", "0", "-t", "1", "-m", "16"]
-    if os.geteuid() == 0:
-        cmd += ["-u", "root"]
-    proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        wait_for_port(port, proc)  # type: ignore[arg-type]
+    with memcached_server() as port:
         with socket.create_connection(("127.0.0.1", port), timeout=5) as s:
             for key in (b"k", LONG_KEY):
                 s.sendall(b"set %b 0 0 19\r\n%b\r\n" % (key, VALUE))
                 assert recv_until(s, b"\r\n") == b"STORED\r\n"
         yield port
-    finally:
-        proc.kill()
-        proc.wait()
 
 
 def exchange(sock: socket.socket, line: bytes) -> bytes:
