@@ -2,6 +2,7 @@
 
     python fuzz/run.py --target text --minutes 10       # one target, a long run
     python fuzz/run.py --all --seconds 40 --sanitized   # every target, the short run of .ci/run
+    python fuzz/run.py --all --minutes 5 --native       # guided by the C code's coverage too (clang)
 
 Each target starts from its seed corpus (fuzz/corpus/<target>/, valid requests) and keeps what it
 learns in a scratch directory (``--keep DIR`` to keep it); an input that fails is written to
@@ -12,10 +13,15 @@ AddressSanitizer and UndefinedBehaviorSanitizer, libasan preloaded: a sanitizer 
 too. (Fuzzing itself under libasan would run blind: atheris's libFuzzer and gcc's libasan define the
 same coverage hooks, and with libasan preloaded libFuzzer sees no coverage.)
 
-Coverage: atheris instruments the Python code (the pure twins, the glue and tests/twins.py); the C
-cores are compiled by gcc without libFuzzer's instrumentation, so they are fuzzed by the inputs the
-Python coverage finds (their twins take the same branches) and checked against their twin on every
-input.
+Coverage: atheris instruments the Python code (the pure twins, the glue and tests/twins.py). On the
+normal build the C cores (compiled by gcc without libFuzzer's instrumentation) are fuzzed by the inputs
+the Python coverage finds (their twins take the same branches) and checked against their twin on every
+input. With ``--native`` the compiled modules are rebuilt by clang with ``-fsanitize=fuzzer-no-link``
+(scripts/native-fuzz-build.sh), and clang's libFuzzer, built as a shared library, is LD_PRELOADed into
+the fuzzing process: atheris uses it instead of its own, and the modules' coverage hooks resolve to it,
+so that the C code's edge counters and comparisons guide the fuzzer as well (libFuzzer's ``cov:``
+figure then counts the C code's edges too). ``--native`` and ``--sanitized`` combine: fuzzed on the
+instrumented build, replayed on the sanitized one.
 
 Prints one line per target: executions, seconds, executions per second, corpus size, and FAILED with
 the finding's file when there is one; ``--json FILE`` writes the same figures.
@@ -116,12 +122,14 @@ def run_target(target: str, seconds: int, env: dict[str, str], keep: Path | None
     elapsed = time.monotonic() - started
     log = proc.stderr
     runs = re.search(r"stat::number_of_executed_units:\s*(\d+)", log) or re.search(r"Done (\d+) runs", log)
+    coverage = re.findall(r" cov: (\d+)", log)
     artifact = re.search(r"Test unit written to (\S+)", log)
     result: dict[str, object] = {
         "target": target,
         "executions": int(runs.group(1)) if runs else None,
         "seconds": round(elapsed, 1),
         "corpus": len(list(scratch.iterdir())),
+        "coverage": int(coverage[-1]) if coverage else None,  # libFuzzer's cov: edges (Python + C with --native)
         "returncode": proc.returncode,
         "finding": artifact.group(1) if artifact else None,
     }
@@ -142,6 +150,9 @@ def main() -> int:
     parser.add_argument("--minutes", type=float, default=0, help="how long each target runs")
     parser.add_argument("--seconds", type=int, default=60, help="how long each target runs (without --minutes)")
     parser.add_argument("--sanitized", action="store_true", help="on the ASan/UBSan build of the compiled modules")
+    parser.add_argument(
+        "--native", action="store_true", help="guided by the C code's coverage too (clang-instrumented build)"
+    )
     parser.add_argument("--keep", type=Path, help="keep each target's learnt corpus under this directory")
     parser.add_argument("--json", type=Path, help="write the figures here")
     args, rest = parser.parse_known_args()
@@ -172,21 +183,35 @@ def main() -> int:
             print(out.stdout + out.stderr, file=sys.stderr)
             return 1
         keep = keep or sanitized_build / "corpus"
-    check = subprocess.run(
-        [sys.executable, "-c", "import katsubushi_py.compiled as c; print(c.IMPLEMENTATION, c.__file__)"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-    )
+    env, cwd = dict(os.environ), ROOT
+    native_build = None
+    if args.native:
+        native_build = Path(tempfile.mkdtemp(prefix="katsubushi-fuzz-native-"))
+        out = subprocess.run(
+            ["bash", str(ROOT / "scripts" / "native-fuzz-build.sh"), str(native_build)],
+            env={**os.environ, "PYTHON": sys.executable},
+            capture_output=True,
+            text=True,
+        )
+        if out.returncode != 0:
+            print(out.stdout + out.stderr, file=sys.stderr)
+            return 1
+        cwd = native_build / "pkg"  # so that nothing finds the worktree's uninstrumented package first
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(cwd), env.get("PYTHONPATH", "")]))
+        env["LD_PRELOAD"] = str(native_build / "libfuzzer.so")
+        env.pop("KATSUBUSHI_NO_EXTENSIONS", None)
+    where = "import katsubushi_py.compiled as c; print(c.IMPLEMENTATION, c.speedups and c.speedups.__file__)"
+    check = subprocess.run([sys.executable, "-c", where], cwd=cwd, env=env, capture_output=True, text=True)
     print(f"fuzzing on: {check.stdout.strip() or check.stderr.strip()}", flush=True)
     results = []
     failed = False
     for target in targets:
-        result = run_target(target, seconds, dict(os.environ), keep, ROOT)
+        result = run_target(target, seconds, env, keep, cwd)
         results.append(result)
         execs = result["executions"]
         rate = f"{execs / max(float(result['seconds']), 1e-9):.0f}/s" if execs else "?"
         line = f"{target:10} {execs} executions in {result['seconds']} s ({rate}), corpus {result['corpus']}"
+        line += f", coverage {result['coverage']}"
         if result["returncode"] != 0:
             failed = True
             line += f"  FAILED (exit {result['returncode']}) {result['finding'] or ''}"
@@ -214,9 +239,11 @@ def main() -> int:
             if proc.returncode != 0:
                 print(proc.stderr[-8000:], file=sys.stderr, flush=True)
     if args.json:
-        args.json.write_text(json.dumps({"sanitized": args.sanitized, "results": results}, indent=1) + "\n")
-    if sanitized_build is not None:
-        shutil.rmtree(sanitized_build, ignore_errors=True)
+        figures = {"sanitized": args.sanitized, "native": args.native, "results": results}
+        args.json.write_text(json.dumps(figures, indent=1) + "\n")
+    for build in (sanitized_build, native_build):
+        if build is not None:
+            shutil.rmtree(build, ignore_errors=True)
     return 1 if failed else 0
 
 
