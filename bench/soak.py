@@ -358,7 +358,10 @@ class Soak:
                 payload = bytes(rng.getrandbits(8) for _ in range(rng.randint(1, 2000)))
             elif kind == "binary":
                 opcode, key_len, extras_len, body_len = (
-                    rng.randrange(256), rng.randrange(65536), rng.randrange(256), rng.randrange(1 << 32)
+                    rng.randrange(256),
+                    rng.randrange(65536),
+                    rng.randrange(256),
+                    rng.randrange(1 << 32),
                 )
                 header = BINARY_HEADER.pack(0x80, opcode, key_len, extras_len, 0, 0, body_len, 0, 0)
                 payload = header + bytes(rng.randrange(256) for _ in range(50))
@@ -394,8 +397,17 @@ class Soak:
 
 
 MIX = (  # (kind, share of 64 connections)
-    ("text1", 10), ("text100", 6), ("pipelined", 8), ("binary", 8), ("meta", 8), ("http", 8),
-    ("reconnecting", 6), ("slow", 3), ("not_reading", 3), ("garbage", 2), ("half_lines", 2),
+    ("text1", 10),
+    ("text100", 6),
+    ("pipelined", 8),
+    ("binary", 8),
+    ("meta", 8),
+    ("http", 8),
+    ("reconnecting", 6),
+    ("slow", 3),
+    ("not_reading", 3),
+    ("garbage", 2),
+    ("half_lines", 2),
 )
 
 
@@ -425,8 +437,20 @@ def clients(soak: Soak, connections: int) -> list[tuple[str, object]]:
 def daemon_command(port: int, http_port: int) -> list[str]:
     exe = shutil.which("katsubushi-py", path=str(Path(sys.executable).parent)) or shutil.which("katsubushi-py")
     base = [exe] if exe else [sys.executable, "-m", "katsubushi_py"]
-    return [*base, "--worker-id", "7", "--host", "127.0.0.1", "--port", str(port), "--http-port", str(http_port),
-            "--no-state-file", "--log-level", "warn"]
+    return [
+        *base,
+        "--worker-id",
+        "7",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--http-port",
+        str(http_port),
+        "--no-state-file",
+        "--log-level",
+        "warn",
+    ]
 
 
 def sample(pid: int) -> tuple[int, int]:
@@ -626,8 +650,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--connections", type=int, default=64, help="how many client connections (default 64)")
     parser.add_argument("--out", default=str(HERE / "soak"), help="where soak.csv, .png, .json go (default bench/soak)")
     parser.add_argument("--seed", type=int, default=1, help="the misbehaving clients' random choices")
-    parser.add_argument("--warmup", type=float, default=120.0,
-                        help="seconds of RSS climb not judged for growth (default 120; the bound always holds)")
+    parser.add_argument(
+        "--warmup",
+        type=float,
+        default=120.0,
+        help="seconds of RSS climb not judged for growth (default 120; the bound always holds)",
+    )
     parser.add_argument("--progress", type=int, default=0, help="print a sample every N seconds (default: never)")
     args = parser.parse_args(argv)
     return asyncio.run(run(args))
