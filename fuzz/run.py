@@ -141,6 +141,23 @@ def run_target(target: str, seconds: int, env: dict[str, str], keep: Path | None
     return result
 
 
+def build_copy(script: str, kind: str) -> Path | None:
+    """A copy of the package with its compiled modules built by scripts/``script`` in a temporary
+    directory (None, having said why, when the build failed)."""
+    build = Path(tempfile.mkdtemp(prefix=f"katsubushi-fuzz-{kind}-"))
+    out = subprocess.run(
+        ["bash", str(ROOT / "scripts" / script), str(build)],
+        env={**os.environ, "PYTHON": sys.executable},
+        capture_output=True,
+        text=True,
+    )
+    if out.returncode != 0:
+        print(out.stdout + out.stderr, file=sys.stderr)
+        shutil.rmtree(build, ignore_errors=True)
+        return None
+    return build
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--child", help=argparse.SUPPRESS)
@@ -167,34 +184,19 @@ def main() -> int:
         parser.error("--target or --all")
     seconds = int(args.minutes * 60) if args.minutes else args.seconds
     keep = args.keep
-    sanitized_build = None
+    sanitized_build = native_build = None
     if args.sanitized:
         # atheris's libFuzzer takes its coverage from the same hooks gcc's libasan defines: with libasan
-        # preloaded the fuzzer runs blind. So the coverage-guided run is on the normal build, and every
-        # input it kept (and every seed and finding) is then replayed on the sanitized build.
-        sanitized_build = Path(tempfile.mkdtemp(prefix="katsubushi-fuzz-sanitized-"))
-        out = subprocess.run(
-            ["bash", str(ROOT / "scripts" / "sanitize-build.sh"), str(sanitized_build)],
-            env={**os.environ, "PYTHON": sys.executable},
-            capture_output=True,
-            text=True,
-        )
-        if out.returncode != 0:
-            print(out.stdout + out.stderr, file=sys.stderr)
+        # preloaded the fuzzer runs blind. So the coverage-guided run is on the normal (or the native)
+        # build, and every input it kept (and every seed and finding) is then replayed on the sanitized one.
+        sanitized_build = build_copy("sanitize-build.sh", "sanitized")
+        if sanitized_build is None:
             return 1
         keep = keep or sanitized_build / "corpus"
     env, cwd = dict(os.environ), ROOT
-    native_build = None
     if args.native:
-        native_build = Path(tempfile.mkdtemp(prefix="katsubushi-fuzz-native-"))
-        out = subprocess.run(
-            ["bash", str(ROOT / "scripts" / "native-fuzz-build.sh"), str(native_build)],
-            env={**os.environ, "PYTHON": sys.executable},
-            capture_output=True,
-            text=True,
-        )
-        if out.returncode != 0:
-            print(out.stdout + out.stderr, file=sys.stderr)
+        native_build = build_copy("native-fuzz-build.sh", "native")
+        if native_build is None:
             return 1
         cwd = native_build / "pkg"  # so that nothing finds the worktree's uninstrumented package first
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(cwd), env.get("PYTHONPATH", "")]))
