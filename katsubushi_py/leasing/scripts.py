@@ -70,11 +70,22 @@ local function server_identity()
   return (string.match(s, 'run_id:(%x+)') or '-') .. '/' .. (string.match(r, 'master_replid:(%x+)') or '-')
 end
 
+-- The pool's high-water mark: the highest handover mark any holder of the pool wrote (every renew's
+-- high-water mark) and every bound below (quarantines, barriers, doubt windows). Never lowered.
+local function raise_hw(mark)
+  if mark > tonumber(redis.call('HGET', KEYS[6], 'mark_hw_ms') or '0') then
+    redis.call('HSET', KEYS[6], 'mark_hw_ms', mark)
+  end
+end
+
 -- The latest millisecond a holder that stops within a ttl from now can have issued: its clock is within
--- the skew of Redis's and within twice the skew of the caller's. The later of the two bounds, so that
--- neither clock having stepped back lowers it. caller is 0 when unknown.
+-- the skew of Redis's and within twice the skew of the caller's; and no holder issued past the pool's
+-- high-water mark. The latest of the three, so that neither clock having stepped back, nor both being
+-- off together (a host synced to a Redis clock that is off), lowers it below what a holder whose record
+-- was lost or damaged issued. caller is 0 when unknown.
 local function cover(ttl, skew, caller)
-  return math.max(now + ttl + skew, caller + ttl + 2 * skew)
+  local hw = tonumber(redis.call('HGET', KEYS[6], 'mark_hw_ms') or '0')
+  return math.max(now + ttl + skew, caller + ttl + 2 * skew, hw)
 end
 
 local function create_pool(lo, hi, epoch, origin, barrier, mark, identity)
@@ -99,13 +110,15 @@ local function create_pool(lo, hi, epoch, origin, barrier, mark, identity)
     id = last + 1
   end
   redis.call('HSET', KEYS[6], 'epoch', epoch, 'created_ms', now, 'origin', origin, 'min', lo, 'max', hi,
-    'recovering_until_ms', barrier, 'recovery_mark_ms', mark, 'version', 1, 'identity', identity, 'format', 2)
+    'recovering_until_ms', barrier, 'recovery_mark_ms', mark, 'version', 1, 'identity', identity, 'format', 2,
+    'mark_hw_ms', mark)
 end
 
 local function raise_barrier(barrier, mark)
   local cur = redis.call('HMGET', KEYS[6], 'recovering_until_ms', 'recovery_mark_ms')
   if barrier > tonumber(cur[1] or '0') then redis.call('HSET', KEYS[6], 'recovering_until_ms', barrier) end
   if mark > tonumber(cur[2] or '0') then redis.call('HSET', KEYS[6], 'recovery_mark_ms', mark) end
+  raise_hw(mark)
 end
 
 -- Leased to nobody until until_ms (never shortened), mark raised to mark, owner entry removed (a live
@@ -116,6 +129,7 @@ local function quarantine(id, until_ms, mark, reason)
   redis.call('HDEL', KEYS[2], id)
   local old = tonumber(redis.call('HGET', KEYS[3], id) or '0')
   if mark > old then redis.call('HSET', KEYS[3], id, mark) end
+  raise_hw(mark)
   redis.call('HSET', KEYS[4], id, 1)
   redis.call('HINCRBY', KEYS[5], 'quarantined_ids', 1)
   redis.call('HINCRBY', KEYS[5], 'quarantined_' .. reason, 1)
@@ -127,6 +141,7 @@ local function open_doubt(wait, mark)
   local until_ms = math.max(tonumber(cur[1] or '0'), now + wait)
   redis.call('HSET', KEYS[6], 'doubt_until_ms', until_ms, 'doubt_mark_ms', math.max(tonumber(cur[2] or '0'), mark),
     'changed_ms', now)
+  raise_hw(mark)
   return until_ms
 end
 
@@ -224,10 +239,11 @@ local pool = redis.call('HMGET', KEYS[6], 'epoch', 'recovering_until_ms', 'recov
   'doubt_mark_ms', 'created_ms', 'changed_ms')
 local barrier, floor = tonumber(pool[2]), tonumber(pool[3])
 local doubt = tonumber(pool[4] or '0')
-if doubt > now then
-  barrier = math.max(barrier, doubt)
-  floor = math.max(floor, tonumber(pool[5] or '0'))
-end
+if doubt > now then barrier = math.max(barrier, doubt) end
+-- The doubt window's mark outlives the window: an id whose holder's writes were lost (its release, its
+-- later renews) looks clean with an older mark, and a daemon whose clock is behind (synced to a Redis
+-- clock that is off) must not start below what that holder issued. Within the skew, time has passed it.
+floor = math.max(floor, tonumber(pool[5] or '0'))
 local created_ms, changed_ms = tonumber(pool[6] or '0'), tonumber(pool[7] or '0')
 local quarantined, skipped = {}, {}
 local later, later_mark = nil, nil
@@ -299,7 +315,7 @@ local epoch, wait, skew, seen = ARGV[5], tonumber(ARGV[6]), tonumber(ARGV[7]), t
 local marks, good, caller = ARGV[12], ARGV[13] == '1', tonumber(ARGV[14])
 redis.call('HINCRBY', KEYS[5], 'renew_count', 1)
 local pool = redis.call('HMGET', KEYS[6], 'epoch', 'recovering_until_ms', 'version', 'origin', 'doubt_until_ms',
-  'changed_ms')
+  'changed_ms', 'mark_hw_ms')
 local mark_cover = cover(ttl, skew, caller)
 local lost = nil
 if not pool[1] then
@@ -374,6 +390,7 @@ if hw > mark then
   redis.call('HSET', KEYS[3], id, hw)
   mark = hw
 end
+if hw > tonumber(pool[7] or '0') then redis.call('HSET', KEYS[6], 'mark_hw_ms', hw) end
 redis.call('HINCRBY', KEYS[5], 'renew_success', 1)
 local version = redis.call('HINCRBY', KEYS[6], 'version', 1)
 local total = redis.call('ZCARD', KEYS[1])
