@@ -190,7 +190,6 @@ def test_a_quarantine_mark_covers_the_callers_clock_when_redis_is_behind(pool: P
     assert pool.field(1)[2] == caller + TTL + 2 * SKEW
 
 
-
 # -- the pool's high-water mark: clocks off together -------------------------------------------------
 def test_every_renew_raises_the_pools_high_water_mark_never_lowers_it(pool: Pool) -> None:
     got = pool.acquire(token="h")
