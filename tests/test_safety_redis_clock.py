@@ -100,23 +100,29 @@ def test_a_host_synced_to_a_redis_clock_that_was_off(
     handover mark and expiry (an edit, a bad restore); Redis's clock is put right; a daemon with a right
     clock finds the id never released, quarantines it and takes it. Bounded by Redis's clock and its
     own, it would issue below the first daemon's IDs (it did, before the pool's high-water mark); it
-    must wait, fenced, until its clock passes what the first daemon may have issued."""
+    must wait, fenced, until its clock passes what the first daemon may have issued. A daemon with a
+    right clock, holding the other id meanwhile, reports the first's clock (STATS, a WARNING)."""
     server, shim = shifted_redis
     shim.set(8)
-    init_pool(server.url, low=1, high=1)
-    one = ("--min-worker-id", "1", "--max-worker-id", "1", "--clock-skew-max", "0.5s", "--clock-skew-warn", "0.25s")
+    init_pool(server.url, low=1, high=2)
+    two = ("--min-worker-id", "1", "--max-worker-id", "2", "--clock-skew-max", "0.5s", "--clock-skew-warn", "0.25s")
     ahead = {"LD_PRELOAD": FAKETIME_LIB, "FAKETIME": "+8"}
-    first = start_leased(daemons, server.url, *one, init=False, env=ahead)
+    first = start_leased(daemons, server.url, *two, init=False, env=ahead)
+    assert stats(first)["worker_id"] == "1"
     recorder = Recorder([first]).start()
     try:
-        time.sleep(2.5 * RENEW)  # its renews have written its high-water mark
+        time.sleep(RENEW)
+        shim.set(0)  # Redis's clock put right; the first daemon's IDs stay 8 s ahead
+        # A daemon with a right clock, on id 2, sees the first's clock in the pool's high-water mark.
+        witness = start_leased(daemons, server.url, *two, init=False)
+        assert stats(witness)["worker_id"] == "2"
+        wait_until(lambda: int(stats(witness)["lease_pool_mark_ahead_ms"]) > 7000, timeout=3 * RENEW)
         first.stop(signal.SIGKILL)
         client = server.client()
         client.zadd("{t}:ids", {"1": 0})
         client.hset("{t}:last_ms", "1", 0)
-        shim.set(0)
         lost_at = time.monotonic()
-        second = start_leased(daemons, server.url, *one, init=False, wait=False)
+        second = start_leased(daemons, server.url, *two, init=False, wait=False)
         recorder.add(second)
         wait_until(lambda: recorder.served(1), timeout=40, step=0.1)
         time.sleep(1)
@@ -132,3 +138,4 @@ def test_a_host_synced_to_a_redis_clock_that_was_off(
     print(f"host and Redis 8 s ahead, record lost, Redis put right: {recorder.summary()}; served after {waited:.2f} s")
     log = second.stderr()
     assert "ended without a release" in log and "for this host's clock to pass the handover mark" in log, log
+    assert "holds a high-water mark 8." in witness.stderr() or "holds a high-water mark 7." in witness.stderr()

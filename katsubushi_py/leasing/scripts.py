@@ -297,8 +297,9 @@ return {-1, now, next_free, 0, 0, barrier, created, pool[1], quarantined, 0, ski
 # and the highest that a renew whose answer never came (or that no replica acknowledged) may have
 # written; any mark between them is one of its own ('': it lost track). good: 1 while its
 # lease never lapsed on its own clock (every renew sent before its deadline).
-# Returns {1, now, expiry, recovering_until_ms, version, free, total, mark, doubt_until_ms, changed_ms, change}:
-#          renewed; free and total count the pool's ids (free: held by nobody), for occupancy warnings
+# Returns {1, now, expiry, recovering_until_ms, version, free, total, mark, doubt_until_ms, changed_ms, change,
+#          mark_hw_ms}: renewed; free and total count the pool's ids (free: held by nobody), for occupancy
+#          warnings; mark_hw_ms the pool's high-water mark (a holder far ahead of it shows a clock off)
 #      or {-1, now, doubt_until_ms}: the id is someone else's now
 #      or {-3, now, what, barrier}: the pool was lost ('missing', 'recreated')
 #      or {-4, now, what, until, change, found_expiry, found_mark, doubt_until_ms, changed_ms}: this id's
@@ -395,7 +396,8 @@ redis.call('HINCRBY', KEYS[5], 'renew_success', 1)
 local version = redis.call('HINCRBY', KEYS[6], 'version', 1)
 local total = redis.call('ZCARD', KEYS[1])
 local free = total - redis.call('HLEN', KEYS[2])
-return {1, now, expiry, tonumber(pool[2]), version, free, total, mark, doubt, changed_ms, change}
+return {1, now, expiry, tonumber(pool[2]), version, free, total, mark, doubt, changed_ms, change,
+  math.max(tonumber(pool[7] or '0'), hw)}
 """
 )
 
