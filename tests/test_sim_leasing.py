@@ -167,8 +167,10 @@ async def test_the_clock_check_judges_the_clock_the_ids_carry() -> None:
 @pytest.mark.parametrize(
     ("seed", "steps", "sign"),
     [
-        # A host synced its clock to the Redis host's (25 s off): its daemon passes the clock check with
-        # IDs that far from the others'; after a loss of its record, another's IDs fall below them.
+        # Across a loss of Redis's data (the pool flushed while its holder was cut off, then killed),
+        # Redis's clock 25 s back and a host synced to it: the daemon that sees the loss bounds what the
+        # lost holder issued with two clocks both off, and issues below its IDs (the clock condition).
+        # (Seed 1015, the record-damage variant, passes since the pool's high-water mark.)
         (1020, 4761, "clock -25."),
         # Two masters 31 ms after the old master rejoined the promoted one as its replica, before the
         # daemons counted it: the promoted master, cut off in turn, confirms a lease alone.

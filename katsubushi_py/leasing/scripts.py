@@ -46,8 +46,16 @@ every script takes them: ``ids`` (sorted set: worker id scored by lease expiry),
 holder's token), ``last_ms`` (id -> handover mark), ``released`` (ids released cleanly or whose
 quarantine ends), ``stats`` (counters), ``pool`` (epoch, created_ms, origin, min, max,
 recovering_until_ms, recovery_mark_ms, version, identity, identity_before, changed_ms,
-doubt_until_ms, doubt_mark_ms, format, and replicas / replicas_under: the replica count lease writes
-wait for, and the master identity it was counted under).
+doubt_until_ms, doubt_mark_ms, format, mark_hw_ms, and replicas / replicas_under: the replica count
+lease writes wait for, and the master identity it was counted under).
+
+- **The pool's high-water mark** (``mark_hw_ms``): the highest handover mark any holder wrote and every
+  bound computed below, never lowered; ``cover`` never answers less. Clocks that are off true time
+  *together* (a host synced to a Redis host whose clock is wrong passes the daemon's clock check) make
+  the bounds from Redis's clock and the caller's too low: this one is in the holders' own clocks. A
+  doubt window's mark stays the floor of every acquire after the window (an id whose holder's writes
+  were lost looks clean with an older mark). Lost with the pool: across a loss of Redis's data the
+  clocks at hand must be right (docs/guarantees.md, Clock).
 """
 
 from __future__ import annotations
