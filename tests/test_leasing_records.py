@@ -155,7 +155,18 @@ def test_a_fresh_id_of_a_pool_made_before_the_release_entries(pool: Pool) -> Non
     """Pools made by 1.0 have no release entry for their fresh ids (mark 0, scored before the pool)."""
     pool.busy(2, 3, 4)
     pool.r.hdel(RELEASED, 1)
+    pool.r.hdel(POOL, "format")
     assert pool.acquire().lease.worker_id == 1
+
+
+def test_a_record_that_only_looks_like_an_old_pools_fresh_id_is_damaged(pool: Pool) -> None:
+    """Found by the lease simulation (seed 83): a held id's expiry and mark set to 0, then its owner
+    entry deleted, looked like a fresh id of a pool made before release entries, and was taken at once
+    while its holder (paused) could still issue. A pool of this format has none: it is quarantined."""
+    pool.busy(2, 3, 4)
+    pool.record(1, 0, None, 0, False)
+    got = pool.acquire()
+    assert not got.got and got.quarantined == [(1, "damaged")]
 
 
 def test_a_clean_id_whose_mark_is_ahead_of_our_clock_only_when_nothing_else(pool: Pool) -> None:

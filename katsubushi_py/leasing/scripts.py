@@ -35,8 +35,8 @@ master has replicas, the keeper waits (``WAIT``, pipelined on the same connectio
   or Redis's clock jumped forward): if the holder's own mark is still ahead of the caller's clock it is
   left alone (a live holder keeps its id through a step of Redis's clock), else it is quarantined. No
   mark, or an owner entry beside a release entry, or neither owner entry nor release entry: damaged,
-  quarantined. A fresh id of a pool made before this format (no release entry, mark 0, expiry before
-  the pool was created) is free.
+  quarantined. A fresh id of a pool made before this format (no ``format`` in the pool, no release
+  entry, mark 0, expiry before the pool was created) is free; in a newer pool such a record is damaged.
 - **Quarantine**: the id is leased to nobody until ``until`` (``now + wait``, from when it was found),
   its mark raised to ``cover``, its owner entry removed (a holder still alive finds at its next renew
   that the id is not its own, and stops), and it counts as released once the quarantine ends.
@@ -174,7 +174,7 @@ end
 # of the caller's clock (with the mark: taken if nothing better is found), 'range' outside the caller's
 # range) or 'quarantine' with the reason.
 _CHECK_RECORD = """
-local function check_record(member, score, lo, hi, caller, created_ms)
+local function check_record(member, score, lo, hi, caller, created_ms, legacy)
   local id = tonumber(member)
   if id < lo or id > hi then return 'skip', 'range' end
   local owner = redis.call('HGET', KEYS[2], member)
@@ -188,7 +188,9 @@ local function check_record(member, score, lo, hi, caller, created_ms)
     return 'quarantine', 'unreleased'
   end
   if not released then
-    if mark == 0 and score < created_ms then return 'take', mark end
+    -- Only a pool made before release entries (no 'format') has fresh ids without one: in a newer pool
+    -- this is a damaged record (a holder's expiry, mark and owner entry lost), whose holder may be alive.
+    if legacy and mark == 0 and score < created_ms then return 'take', mark end
     return 'quarantine', 'damaged'
   end
   if mark > caller then return 'skip', 'later', mark end
@@ -244,7 +246,8 @@ else
   change, before = check_identity(wait, mark_cover)
 end
 local pool = redis.call('HMGET', KEYS[6], 'epoch', 'recovering_until_ms', 'recovery_mark_ms', 'doubt_until_ms',
-  'doubt_mark_ms', 'created_ms', 'changed_ms')
+  'doubt_mark_ms', 'created_ms', 'changed_ms', 'format')
+local legacy = pool[8] == false
 local barrier, floor = tonumber(pool[2]), tonumber(pool[3])
 local doubt = tonumber(pool[4] or '0')
 if doubt > now then barrier = math.max(barrier, doubt) end
@@ -271,7 +274,7 @@ while true do
   if #batch == 0 then break end
   for i = 1, #batch, 2 do
     local member, score = batch[i], tonumber(batch[i + 1])
-    local verdict, what, mark = check_record(member, score, lo, hi, caller, created_ms)
+    local verdict, what, mark = check_record(member, score, lo, hi, caller, created_ms, legacy)
     if verdict == 'take' then return take(member, what) end
     if verdict == 'skip' then
       offset = offset + 1
