@@ -816,6 +816,8 @@ class Simulation:
         process = Process(host, f"{host.name}.{host.incarnations}", ctx)
         master = self.redis.master
         process.together = master is not None and abs(host.clock.offset - master.clock_offset) <= config.skew_max
+        if process.together and abs(host.clock.offset) > config.skew_max:
+            self.stats["starts with the clock off true time together with Redis's"] += 1
         ctx.run(PROCESS.set, process)
         host.process = process
         self.processes.append(process)
