@@ -31,10 +31,13 @@ docs/leasing.md lists, a daemon cut off from Redis, replies lost or late. Topolo
 failover, two masters) play out one at a time.
 
 **Inside the documented conditions** (docs/guarantees.md), which two guards keep the faults within:
-hosts sync to true time, and a daemon does not start while its host's clock and Redis's are off
-together (the guarantees assume every daemon's clock within the skew of true time); two masters happen
-only once the daemons have counted every replica of the master (they ask once a minute in production,
-every 3 ttl here). ``--known-gaps`` lifts both: runs then find the gaps.
+clocks may be off true time together (a host synced to the Redis host's clock, off by seconds, its
+daemon passing the clock check with IDs that far off) except across a loss of Redis's data: a restart
+that loses data or a failover happens only while no running daemon's clock and no ID issued is off true
+time by more than the skew, and until a script has seen the loss no daemon starts on a host whose clock
+is (:meth:`Simulation.clocks_off_for_a_loss`); two masters happen only once the daemons have counted
+every replica of the master (they ask once a minute in production, every 3 ttl here).
+``--known-gaps`` lifts both: runs then find the gaps.
 
 **Invariants**, checked after every step (a failure stops the world, prints the seed and the command
 that replays it):
@@ -168,6 +171,7 @@ class Process:
     net_down_until: float = 0.0
     crashed: bool = False
     tokens: int = 0
+    together: bool = False  # its host's clock agreed with Redis's (within the skew) when it started
     exit: str = ""
 
     @property
@@ -468,14 +472,15 @@ class Faults:
         self._busy(network)
 
     def host_ntp(self) -> None:
-        """NTP puts a host's wall clock back within two fifths of the allowed skew of true time (NTP
-        follows true time, not Redis's clock: a host synced to a Redis clock that is off is outside the
-        conditions the guarantees hold under; see Simulation.start)."""
+        """NTP puts a host's wall clock within two fifths of the allowed skew of its source: true time, or
+        (half the time) the Redis host's clock, which may be off by seconds; its daemon then passes the
+        clock check with IDs that far off true time (covered outside a loss of Redis's data; see
+        Simulation.clocks_off_for_a_loss)."""
         host = self.rng.choice(self.sim.hosts)
         target = self.rng.uniform(-0.4, 0.4) * self.sim.config.skew_max
         master = self.sim.redis.master
-        if self.sim.known_gaps and master is not None and self.rng.random() < 0.5:
-            target += master.clock_offset  # a host whose NTP source is the Redis host (outside the conditions)
+        if master is not None and self.rng.random() < 0.5:
+            target += master.clock_offset  # a host whose NTP source is the Redis host
         host.clock.step(target - host.clock.offset)
         self._event("host_ntp", f"{host.name} to {target:+.3f}s")
 
@@ -493,6 +498,8 @@ class Faults:
         if node is None or not node.up:
             return
         mode = rng.choice(("flush", "rdb", "rdb", "aof", "clean"))
+        if mode != "clean" and self.sim.loss_held("restart"):
+            return
         age = {"flush": 0.0, "rdb": rng.uniform(0, 3 * ttl), "aof": rng.uniform(0, 1.0), "clean": 0.0}[mode]
         down = rng.choice((rng.uniform(0.01, 0.5), rng.uniform(0.5, ttl), rng.uniform(ttl, 2 * ttl)))
         dumps = tuple(None for _ in redis.keys) if mode == "flush" else redis.state_at(node, redis.loop.now - age)
@@ -511,7 +518,7 @@ class Faults:
         redis, rng = self.sim.redis, self.rng
         old = redis.master
         replicas = [n for n in redis.nodes if n.role == "replica" and n.up and n.master is old]
-        if old is None or not replicas:
+        if old is None or not replicas or self.sim.loss_held("failover"):
             return
         chosen = rng.choice(replicas)
         lag = rng.random() < 0.5
@@ -709,6 +716,7 @@ class Simulation:
         self.step_no = 0
         self.epochs = 0
         self.failure: str | None = None
+        self.loss_unseen = False  # Redis lost (or may have lost) data, and no script has seen it yet
         self.calm_results: Counter[str] = Counter()
         self.stats: Counter[str] = Counter()
 
@@ -741,23 +749,75 @@ class Simulation:
             self.start(host)
         self.trace(f"world {self.config}")
 
+    # -- the clock condition across a loss of Redis's data (docs/guarantees.md, Clock) ---------------
+    def clocks_off_for_a_loss(self) -> str | None:
+        """Why Redis may not lose data now, or None. When Redis loses lease writes, what they allowed is
+        bounded when a script first sees the loss, from Redis's clock and the clock of the daemon that
+        runs it (the pool's high-water mark went with the data): so every daemon's clock within the skew
+        of true time across the loss. Here: no running daemon's clock, and no ID issued so far, off true
+        time by more than the skew (behind: a daemon that may see the loss; ahead: what a lost write may
+        have covered). Counted: daemons whose clock agreed with Redis's at their start (off together);
+        one that disagreed is refused by the clock check, and one that passes anyway is a bug the
+        simulation must find (the planted ``wall-clock-check``)."""
+        skew, now = self.config.skew_max, self.loop.now
+        for process in self.processes:
+            generator = process.generator
+            if generator is None or not process.together:
+                continue
+            if process.state in ("running", "stopping"):
+                off = generator.now_ms() / 1000 - BASE_UNIX - now
+                if abs(off) > skew:
+                    return f"{process.name}'s clock {off:+.3f}s"
+            last = generator.last_issued_ms
+            if last is not None and last / 1000 - BASE_UNIX - now > skew:
+                return f"{process.name} issued {last / 1000 - BASE_UNIX - now:+.3f}s ahead"
+        return None
+
+    def loss_held(self, kind: str) -> bool:
+        """Whether a fault that can lose Redis's data (a restart that loses some, a failover) is held by
+        the clock condition; else it will happen: no daemon starts with an off clock until it is seen."""
+        if self.known_gaps:
+            return False
+        why = self.clocks_off_for_a_loss()
+        if why is not None:
+            self.stats[f"{kind} held: a clock off across a loss"] += 1
+            self.trace(f"{kind} held: {why}")
+            return True
+        self.loss_unseen = True
+        return False
+
+    def loss_seen(self) -> bool:
+        """Whether a script has seen the last loss: the master's pool exists and is stamped with the
+        master's identity (a restart's run_id, a promotion's replid)."""
+        if self.loss_unseen:
+            master = self.redis.master
+            if master is None or not master.up:
+                return False
+            pool = self.redis.backend.client(master.db).hget(self.redis.keys[5], "identity")
+            if pool is None or pool.decode() != f"{master.run_id}/{master.replid}":
+                return False
+            self.loss_unseen = False
+        return True
+
     def start(self, host: Host) -> None:
         if host.process is not None and host.process.state in ("running", "stopping"):
             return
         config = self.config
-        master = self.redis.master
-        off = abs(host.clock.offset) > config.skew_max
-        together = master is not None and abs(host.clock.offset - master.clock_offset) < 2 * config.skew_max
-        if off and together and not self.known_gaps:
-            # The host's clock is off true time, and Redis's is off with it: the daemon's own check cannot
-            # tell, and the guarantees assume every daemon's clock within the skew of true time. The
-            # operator's start waits for NTP (systemd's time-sync.target, `chronyc waitsync`): so here.
-            self.stats["starts held: host and Redis clocks off together"] += 1
+        if abs(host.clock.offset) > config.skew_max and not self.known_gaps and not self.loss_seen():
+            # Redis lost data no script has seen yet: the first to see it bounds what the lost writes
+            # allowed from its own clock and Redis's, so its clock must be within the skew of true time
+            # (docs/guarantees.md, Clock). The operator's start waits for NTP (systemd's time-sync.target,
+            # `chronyc waitsync`): so here.
+            self.stats["starts held: a clock off while a loss is unseen"] += 1
             self.restart_later(host, 1.0)
             return
         host.incarnations += 1
         ctx = contextvars.copy_context()
         process = Process(host, f"{host.name}.{host.incarnations}", ctx)
+        master = self.redis.master
+        process.together = master is not None and abs(host.clock.offset - master.clock_offset) <= config.skew_max
+        if process.together and abs(host.clock.offset) > config.skew_max:
+            self.stats["starts with the clock off true time together with Redis's"] += 1
         ctx.run(PROCESS.set, process)
         host.process = process
         self.processes.append(process)

@@ -155,7 +155,18 @@ def test_a_fresh_id_of_a_pool_made_before_the_release_entries(pool: Pool) -> Non
     """Pools made by 1.0 have no release entry for their fresh ids (mark 0, scored before the pool)."""
     pool.busy(2, 3, 4)
     pool.r.hdel(RELEASED, 1)
+    pool.r.hdel(POOL, "format")
     assert pool.acquire().lease.worker_id == 1
+
+
+def test_a_record_that_only_looks_like_an_old_pools_fresh_id_is_damaged(pool: Pool) -> None:
+    """Found by the lease simulation (seed 83): a held id's expiry and mark set to 0, then its owner
+    entry deleted, looked like a fresh id of a pool made before release entries, and was taken at once
+    while its holder (paused) could still issue. A pool of this format has none: it is quarantined."""
+    pool.busy(2, 3, 4)
+    pool.record(1, 0, None, 0, False)
+    got = pool.acquire()
+    assert not got.got and got.quarantined == [(1, "damaged")]
 
 
 def test_a_clean_id_whose_mark_is_ahead_of_our_clock_only_when_nothing_else(pool: Pool) -> None:
@@ -188,6 +199,64 @@ def test_a_quarantine_mark_covers_the_callers_clock_when_redis_is_behind(pool: P
     caller = now + 30_000  # Redis's clock stepped 30 s back
     pool.acquire(caller=caller)
     assert pool.field(1)[2] == caller + TTL + 2 * SKEW
+
+
+# -- the pool's high-water mark: clocks off together -------------------------------------------------
+def test_every_renew_raises_the_pools_high_water_mark_never_lowers_it(pool: Pool) -> None:
+    got = pool.acquire(token="h")
+    caller = pool.now() + 18_000  # a holder whose clock is 18 s ahead (synced to a Redis clock that was)
+    assert isinstance(pool.renew("h", 1, str(got.mark_ms), caller=caller), Renewed)
+    assert int(pool.r.hget(POOL, "mark_hw_ms")) == caller + TTL
+    later = pool.acquire(token="h2")
+    assert isinstance(pool.renew("h2", later.lease.worker_id, str(later.mark_ms)), Renewed)
+    assert int(pool.r.hget(POOL, "mark_hw_ms")) == caller + TTL  # a lower mark leaves it
+
+
+def test_a_lost_mark_is_covered_by_the_pools_high_water_mark_whatever_the_clocks_say(pool: Pool) -> None:
+    """Issue 23's clock gap (simulation seed 1015, here in its mirror image, which needs no step of this
+    Redis's clock): a holder whose clock is 18 s ahead (its host synced to a Redis clock that was 18 s
+    ahead, and passed the clock check) renews, then crashes; its record loses its mark; Redis's clock and
+    the daemon that finds the id are right. Bounded by those two clocks alone, the quarantine mark falls
+    18 s below what the holder issued; the pool's high-water mark keeps it above."""
+    pool.busy(2, 3, 4)
+    got = pool.acquire(token="h")
+    ahead = pool.now() + 18_000
+    assert isinstance(pool.renew("h", 1, str(got.mark_ms), caller=ahead), Renewed)  # issues below ahead + TTL
+    pool.r.hset(MARKS, 1, 0)  # the mark lost (an edit, a bad restore)
+    pool.r.zadd(IDS, {"1": 0})  # and the expiry
+    right = pool.now()
+    got = pool.acquire(token="n", caller=right)
+    assert got.quarantined == [(1, "unreleased")]
+    mark = pool.field(1)[2]
+    assert mark is not None and mark >= ahead + TTL  # the holder's high-water mark
+    assert right + TTL + 2 * SKEW < ahead + TTL  # which the clocks alone would not have given
+
+
+def test_a_doubt_windows_mark_outlives_the_window(pool: Pool) -> None:
+    """An id whose holder's writes a restart lost looks clean with an older mark: a daemon that takes it
+    after the window, with a clock behind, starts after the window's mark, not the record's."""
+    restart(pool)
+    caller = pool.now()
+    opened = pool.acquire(token="first", caller=caller)
+    assert opened.change == "changed"
+    window_mark = int(pool.r.hget(POOL, "doubt_mark_ms"))
+    assert window_mark >= caller + TTL + 2 * SKEW
+    pool.r.hset(POOL, "doubt_until_ms", 0)  # the window has ended
+    pool.record(2, 0, None, 5, True)  # released, clean, an old mark
+    pool.busy(3, 4)
+    got = pool.acquire(token="later", caller=caller - 18_000)
+    assert got.lease.worker_id == 2 and got.mark_ms == 5
+    assert got.barrier_ms <= got.now_ms  # no barrier: the window is over
+    assert got.handover_ms == window_mark  # but not below what a lost holder can have issued
+    assert int(pool.r.hget(POOL, "mark_hw_ms")) >= window_mark
+
+
+def test_a_pool_lost_and_made_again_starts_its_high_water_mark_from_the_recovery_mark(pool: Pool) -> None:
+    pool.r.delete(*KEYS)
+    caller = pool.now()
+    got = pool.acquire(caller=caller)
+    assert got.created == 2  # lost: this pool's daemons leased from it before
+    assert int(pool.r.hget(POOL, "mark_hw_ms")) == int(pool.r.hget(POOL, "recovery_mark_ms")) >= caller + TTL
 
 
 # -- the Redis identity and the doubt window -------------------------------------------------------

@@ -10,7 +10,9 @@ libfaketime hangs Debian's redis-server 7.0 at start).
 
 from __future__ import annotations
 
+import os
 import shutil
+import signal
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -18,7 +20,7 @@ from pathlib import Path
 import pytest
 from conftest import DaemonFactory, decode
 from id_recorder import Recorder
-from lease_helpers import RENEW, init_pool, start_leased, stats, wait_until
+from lease_helpers import FAKETIME_LIB, RENEW, init_pool, start_leased, stats, wait_until
 from redis_servers import ClockShim, RedisServer, start_redis
 
 pytestmark = [
@@ -86,3 +88,54 @@ def test_redis_clock_steps_under_load(daemons: DaemonFactory, shifted_redis: tup
     assert not any("DATA LOSS" in log or "damaged" in log for log in logs.values()), logs
     assert all("Redis's clock" in logs[d.pid] for d in holders[1:]), logs
     assert sum(int(stats(d)["lease_redis_clock_steps"]) for d in holders[1:]) >= 2 * 4
+
+
+@pytest.mark.skipif(not os.path.exists(FAKETIME_LIB), reason="libfaketime is not installed (apt-get install faketime)")
+def test_a_host_synced_to_a_redis_clock_that_was_off(
+    daemons: DaemonFactory, shifted_redis: tuple[RedisServer, ClockShim]
+) -> None:
+    """Issue 23's clock gap (the lease simulation's seed 1015, here in its mirror image): Redis's clock
+    is 8 s ahead, and so is a host whose NTP source is the Redis host: its daemon passes the clock check
+    (--clock-skew-max 0.5 s) and issues IDs 8 s ahead of true time. It is killed; its record loses its
+    handover mark and expiry (an edit, a bad restore); Redis's clock is put right; a daemon with a right
+    clock finds the id never released, quarantines it and takes it. Bounded by Redis's clock and its
+    own, it would issue below the first daemon's IDs (it did, before the pool's high-water mark); it
+    must wait, fenced, until its clock passes what the first daemon may have issued. A daemon with a
+    right clock, holding the other id meanwhile, reports the first's clock (STATS, a WARNING)."""
+    server, shim = shifted_redis
+    shim.set(8)
+    init_pool(server.url, low=1, high=2)
+    two = ("--min-worker-id", "1", "--max-worker-id", "2", "--clock-skew-max", "0.5s", "--clock-skew-warn", "0.25s")
+    ahead = {"LD_PRELOAD": FAKETIME_LIB, "FAKETIME": "+8"}
+    first = start_leased(daemons, server.url, *two, init=False, env=ahead)
+    assert stats(first)["worker_id"] == "1"
+    recorder = Recorder([first]).start()
+    try:
+        time.sleep(RENEW)
+        shim.set(0)  # Redis's clock put right; the first daemon's IDs stay 8 s ahead
+        # A daemon with a right clock, on id 2, sees the first's clock in the pool's high-water mark.
+        witness = start_leased(daemons, server.url, *two, init=False)
+        assert stats(witness)["worker_id"] == "2"
+        wait_until(lambda: int(stats(witness)["lease_pool_mark_ahead_ms"]) > 7000, timeout=3 * RENEW)
+        first.stop(signal.SIGKILL)
+        client = server.client()
+        client.zadd("{t}:ids", {"1": 0})
+        client.hset("{t}:last_ms", "1", 0)
+        lost_at = time.monotonic()
+        second = start_leased(daemons, server.url, *two, init=False, wait=False)
+        recorder.add(second)
+        wait_until(lambda: recorder.served(1), timeout=40, step=0.1)
+        time.sleep(1)
+    finally:
+        recorder.stop()
+    assert recorder.duplicates() == 0, recorder.summary()
+    before, after = recorder.served(0), recorder.served(1)
+    assert before and after, recorder.summary()
+    assert {decode(i)[1] for r in [*before, *after] for i in r.ids} == {1}
+    first_ms, second_ms = max(max(r.ids) for r in before), min(min(r.ids) for r in after)
+    assert second_ms > first_ms, f"{(first_ms - second_ms) >> 22} ms below: {recorder.summary()}"
+    waited = after[0].received - lost_at
+    print(f"host and Redis 8 s ahead, record lost, Redis put right: {recorder.summary()}; served after {waited:.2f} s")
+    log = second.stderr()
+    assert "ended without a release" in log and "for this host's clock to pass the handover mark" in log, log
+    assert "holds a high-water mark 8." in witness.stderr() or "holds a high-water mark 7." in witness.stderr()

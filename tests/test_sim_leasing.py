@@ -94,10 +94,12 @@ def test_a_seed_replays_exactly() -> None:
         # daemon that took its id over.
         ("no-fence", 27, 1600),
         # The bug this simulation found: the start-up clock check read the wall clock as it is now, so a
-        # daemon started on a host whose clock NTP stepped right after its start issued IDs seconds off
-        # (here h0 rebooted 15 s ahead; another daemon's IDs under the same id, once the record's mark
-        # was lost, fell below them). Fixed in LeaseKeeper.check_clock; this seed is its regression test.
-        ("wall-clock-check", 1, 2500),
+        # daemon started on a host whose clock NTP stepped right after its start issued IDs seconds off.
+        # Fixed in LeaseKeeper.check_clock. Since the pool's high-water mark, a lost record no longer
+        # shows it (seed 1 found it that way); here h1 rebooted 22.8 s behind, its daemon (warning that
+        # the pool's high-water mark is 19 s ahead of its own) is the one that sees a flush of the pool,
+        # and issues below the IDs of a daemon whose writes the flush lost.
+        ("wall-clock-check", 41, 2111),
     ],
 )
 def test_a_planted_bug_is_found_and_its_seed_replays(bug: str, seed: int, steps: int) -> None:
@@ -167,8 +169,10 @@ async def test_the_clock_check_judges_the_clock_the_ids_carry() -> None:
 @pytest.mark.parametrize(
     ("seed", "steps", "sign"),
     [
-        # A host synced its clock to the Redis host's (25 s off): its daemon passes the clock check with
-        # IDs that far from the others'; after a loss of its record, another's IDs fall below them.
+        # Across a loss of Redis's data (the pool flushed while its holder was cut off, then killed),
+        # Redis's clock 25 s back and a host synced to it: the daemon that sees the loss bounds what the
+        # lost holder issued with two clocks both off, and issues below its IDs (the clock condition).
+        # (Seed 1015, the record-damage variant, passes since the pool's high-water mark.)
         (1020, 4761, "clock -25."),
         # Two masters 31 ms after the old master rejoined the promoted one as its replica, before the
         # daemons counted it: the promoted master, cut off in turn, confirms a lease alone.

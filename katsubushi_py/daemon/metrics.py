@@ -193,6 +193,11 @@ def _lease_metrics(fields: dict[str, object]) -> Iterator[Metric]:
         "Redis TIME minus this host's clock, at the last renew",
         value=_number(fields.get("lease_redis_clock_offset_ms")) / 1000,
     )
+    yield GaugeMetricFamily(
+        "katsubushi_lease_pool_mark_ahead_seconds",
+        "How far the pool's high-water mark is ahead of this holder's clock plus the lease ttl (a daemon's clock off)",
+        value=_number(fields.get("lease_pool_mark_ahead_ms")) / 1000,
+    )
     # Following the master through a Sentinel or Cluster failover, and the replica wait (issue 24).
     yield CounterMetricFamily(
         "katsubushi_lease_master_changes",

@@ -335,6 +335,15 @@ class LeaseKeeper:
         if step is not None:
             self.report.redis_clock_step(step, offset, self.skew_max)
 
+    def _observe_pool_mark(self, reply: Renewed, high_water_ms: int) -> None:
+        """The pool's high-water mark against ours: every holder writes its clock plus the ttl, so one
+        far ahead of ours is a daemon whose clock is (or ours behind): clocks off true time together with
+        Redis's, which the start check cannot see, and which only a loss of Redis's data makes unsafe."""
+        ahead = max(0, reply.pool_mark_ms - high_water_ms)
+        self.stats.pool_mark_ahead_ms = ahead
+        if ahead > 2 * self.skew_max * 1000 + self.timings.margin * 1000 and self._every("mark-ahead", 60.0):
+            self.report.pool_mark_ahead(ahead, self.skew_max)
+
     # -- release ---------------------------------------------------------------------------------
     async def _release(self, lease: Lease, last_ms: int, quarantine: bool = False) -> bool:
         """``last_ms``: the latest millisecond issued or inherited under the lease (replaces the mark);
@@ -498,6 +507,7 @@ class LeaseKeeper:
                 self.watch.renewed(holding, received)
                 holding.renewed(sent, received, outcome)
                 self._observe_clock(outcome, local_ms, received - sent)
+                self._observe_pool_mark(outcome, high_water)
                 self.report.news(outcome)
                 if holding.kept_after(outcome):
                     self.report.kept(holding.worker_id)
@@ -562,6 +572,7 @@ class LeaseKeeper:
             ("lease_skipped_live_leases", stats.skipped_live_leases),
             ("lease_redis_clock_steps", stats.redis_clock_steps),
             ("lease_redis_clock_offset_ms", stats.redis_clock_offset_ms),
+            ("lease_pool_mark_ahead_ms", stats.pool_mark_ahead_ms),
             ("lease_redis_address", stats.redis_address or "-"),
             ("lease_master_changes", stats.master_changes),
             ("lease_since_renew_ms", self.watch.since_renew_ms()),

@@ -39,6 +39,9 @@ class LeaseStats:
     skipped_live_leases: int = 0  # leases expired by Redis's clock that it left to their holder
     redis_clock_steps: int = 0  # jumps of Redis's clock against this host's, seen across renews
     redis_clock_offset_ms: int = 0  # Redis TIME minus this host's clock, at the last renew
+    # How far the pool's high-water mark is ahead of this holder's own (its clock plus the ttl), at the
+    # last renew: more than twice --clock-skew-max means some daemon issued with a clock that far ahead.
+    pool_mark_ahead_ms: int = 0
     # Following the master (Sentinel, Cluster): where the pool's Redis is now, how often that changed,
     # the longest time between two confirmed renews, and stretches of failed renews that ended.
     redis_address: str = ""
@@ -238,6 +241,18 @@ class Reporter:
         )
 
     # -- Redis's clock ---------------------------------------------------------------------------
+    def pool_mark_ahead(self, ahead_ms: int, skew_max: float) -> None:
+        log.warning(
+            "the worker id pool in %s holds a high-water mark %.1fs ahead of this daemon's (its clock plus the"
+            " lease ttl), more than 2 x --clock-skew-max %gs allows: a daemon of this pool issued IDs with a"
+            " clock that far ahead of this host's (a host synced to a Redis clock that was off passes the clock"
+            " check), or this host's clock is behind. Uniqueness holds (an id taken over from it waits for its"
+            " mark) unless Redis loses its data while clocks are off: check NTP on every host, Redis's included",
+            self.where,
+            ahead_ms / 1000,
+            skew_max,
+        )
+
     def redis_clock_step(self, step: float, offset_ms: float, skew_max: float) -> None:
         self.stats.redis_clock_steps += 1
         beyond = abs(offset_ms) / 1000 > skew_max

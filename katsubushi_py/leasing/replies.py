@@ -78,6 +78,7 @@ class Renewed(PoolNews):
     free: int = 0  # ids held by nobody (free, or in quarantine)
     total: int = 0
     mark_ms: int = 0  # the handover mark as stored now
+    pool_mark_ms: int = 0  # the pool's high-water mark: the highest mark any holder wrote, every bound
 
 
 @dataclass
@@ -115,6 +116,7 @@ def parse_renew(result: list[Any]) -> RenewOutcome:
             doubt_until_ms=int(result[8]),
             changed_ms=int(result[9]),
             change=text(result[10]),
+            pool_mark_ms=int(result[11]) if len(result) > 11 else 0,
         )
     if code == -1:
         return TakenOver(now_ms=now_ms, doubt_until_ms=int(result[2]))

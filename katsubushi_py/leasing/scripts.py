@@ -35,8 +35,8 @@ master has replicas, the keeper waits (``WAIT``, pipelined on the same connectio
   or Redis's clock jumped forward): if the holder's own mark is still ahead of the caller's clock it is
   left alone (a live holder keeps its id through a step of Redis's clock), else it is quarantined. No
   mark, or an owner entry beside a release entry, or neither owner entry nor release entry: damaged,
-  quarantined. A fresh id of a pool made before this format (no release entry, mark 0, expiry before
-  the pool was created) is free.
+  quarantined. A fresh id of a pool made before this format (no ``format`` in the pool, no release
+  entry, mark 0, expiry before the pool was created) is free; in a newer pool such a record is damaged.
 - **Quarantine**: the id is leased to nobody until ``until`` (``now + wait``, from when it was found),
   its mark raised to ``cover``, its owner entry removed (a holder still alive finds at its next renew
   that the id is not its own, and stops), and it counts as released once the quarantine ends.
@@ -46,8 +46,16 @@ every script takes them: ``ids`` (sorted set: worker id scored by lease expiry),
 holder's token), ``last_ms`` (id -> handover mark), ``released`` (ids released cleanly or whose
 quarantine ends), ``stats`` (counters), ``pool`` (epoch, created_ms, origin, min, max,
 recovering_until_ms, recovery_mark_ms, version, identity, identity_before, changed_ms,
-doubt_until_ms, doubt_mark_ms, format, and replicas / replicas_under: the replica count lease writes
-wait for, and the master identity it was counted under).
+doubt_until_ms, doubt_mark_ms, format, mark_hw_ms, and replicas / replicas_under: the replica count
+lease writes wait for, and the master identity it was counted under).
+
+- **The pool's high-water mark** (``mark_hw_ms``): the highest handover mark any holder wrote and every
+  bound computed below, never lowered; ``cover`` never answers less. Clocks that are off true time
+  *together* (a host synced to a Redis host whose clock is wrong passes the daemon's clock check) make
+  the bounds from Redis's clock and the caller's too low: this one is in the holders' own clocks. A
+  doubt window's mark stays the floor of every acquire after the window (an id whose holder's writes
+  were lost looks clean with an older mark). Lost with the pool: across a loss of Redis's data the
+  clocks at hand must be right (docs/guarantees.md, Clock).
 """
 
 from __future__ import annotations
@@ -70,11 +78,22 @@ local function server_identity()
   return (string.match(s, 'run_id:(%x+)') or '-') .. '/' .. (string.match(r, 'master_replid:(%x+)') or '-')
 end
 
+-- The pool's high-water mark: the highest handover mark any holder of the pool wrote (every renew's
+-- high-water mark) and every bound below (quarantines, barriers, doubt windows). Never lowered.
+local function raise_hw(mark)
+  if mark > tonumber(redis.call('HGET', KEYS[6], 'mark_hw_ms') or '0') then
+    redis.call('HSET', KEYS[6], 'mark_hw_ms', mark)
+  end
+end
+
 -- The latest millisecond a holder that stops within a ttl from now can have issued: its clock is within
--- the skew of Redis's and within twice the skew of the caller's. The later of the two bounds, so that
--- neither clock having stepped back lowers it. caller is 0 when unknown.
+-- the skew of Redis's and within twice the skew of the caller's; and no holder issued past the pool's
+-- high-water mark. The latest of the three, so that neither clock having stepped back, nor both being
+-- off together (a host synced to a Redis clock that is off), lowers it below what a holder whose record
+-- was lost or damaged issued. caller is 0 when unknown.
 local function cover(ttl, skew, caller)
-  return math.max(now + ttl + skew, caller + ttl + 2 * skew)
+  local hw = tonumber(redis.call('HGET', KEYS[6], 'mark_hw_ms') or '0')
+  return math.max(now + ttl + skew, caller + ttl + 2 * skew, hw)
 end
 
 local function create_pool(lo, hi, epoch, origin, barrier, mark, identity)
@@ -99,13 +118,15 @@ local function create_pool(lo, hi, epoch, origin, barrier, mark, identity)
     id = last + 1
   end
   redis.call('HSET', KEYS[6], 'epoch', epoch, 'created_ms', now, 'origin', origin, 'min', lo, 'max', hi,
-    'recovering_until_ms', barrier, 'recovery_mark_ms', mark, 'version', 1, 'identity', identity, 'format', 2)
+    'recovering_until_ms', barrier, 'recovery_mark_ms', mark, 'version', 1, 'identity', identity, 'format', 2,
+    'mark_hw_ms', mark)
 end
 
 local function raise_barrier(barrier, mark)
   local cur = redis.call('HMGET', KEYS[6], 'recovering_until_ms', 'recovery_mark_ms')
   if barrier > tonumber(cur[1] or '0') then redis.call('HSET', KEYS[6], 'recovering_until_ms', barrier) end
   if mark > tonumber(cur[2] or '0') then redis.call('HSET', KEYS[6], 'recovery_mark_ms', mark) end
+  raise_hw(mark)
 end
 
 -- Leased to nobody until until_ms (never shortened), mark raised to mark, owner entry removed (a live
@@ -116,6 +137,7 @@ local function quarantine(id, until_ms, mark, reason)
   redis.call('HDEL', KEYS[2], id)
   local old = tonumber(redis.call('HGET', KEYS[3], id) or '0')
   if mark > old then redis.call('HSET', KEYS[3], id, mark) end
+  raise_hw(mark)
   redis.call('HSET', KEYS[4], id, 1)
   redis.call('HINCRBY', KEYS[5], 'quarantined_ids', 1)
   redis.call('HINCRBY', KEYS[5], 'quarantined_' .. reason, 1)
@@ -127,6 +149,7 @@ local function open_doubt(wait, mark)
   local until_ms = math.max(tonumber(cur[1] or '0'), now + wait)
   redis.call('HSET', KEYS[6], 'doubt_until_ms', until_ms, 'doubt_mark_ms', math.max(tonumber(cur[2] or '0'), mark),
     'changed_ms', now)
+  raise_hw(mark)
   return until_ms
 end
 
@@ -151,7 +174,7 @@ end
 # of the caller's clock (with the mark: taken if nothing better is found), 'range' outside the caller's
 # range) or 'quarantine' with the reason.
 _CHECK_RECORD = """
-local function check_record(member, score, lo, hi, caller, created_ms)
+local function check_record(member, score, lo, hi, caller, created_ms, legacy)
   local id = tonumber(member)
   if id < lo or id > hi then return 'skip', 'range' end
   local owner = redis.call('HGET', KEYS[2], member)
@@ -165,7 +188,9 @@ local function check_record(member, score, lo, hi, caller, created_ms)
     return 'quarantine', 'unreleased'
   end
   if not released then
-    if mark == 0 and score < created_ms then return 'take', mark end
+    -- Only a pool made before release entries (no 'format') has fresh ids without one: in a newer pool
+    -- this is a damaged record (a holder's expiry, mark and owner entry lost), whose holder may be alive.
+    if legacy and mark == 0 and score < created_ms then return 'take', mark end
     return 'quarantine', 'damaged'
   end
   if mark > caller then return 'skip', 'later', mark end
@@ -221,13 +246,15 @@ else
   change, before = check_identity(wait, mark_cover)
 end
 local pool = redis.call('HMGET', KEYS[6], 'epoch', 'recovering_until_ms', 'recovery_mark_ms', 'doubt_until_ms',
-  'doubt_mark_ms', 'created_ms', 'changed_ms')
+  'doubt_mark_ms', 'created_ms', 'changed_ms', 'format')
+local legacy = pool[8] == false
 local barrier, floor = tonumber(pool[2]), tonumber(pool[3])
 local doubt = tonumber(pool[4] or '0')
-if doubt > now then
-  barrier = math.max(barrier, doubt)
-  floor = math.max(floor, tonumber(pool[5] or '0'))
-end
+if doubt > now then barrier = math.max(barrier, doubt) end
+-- The doubt window's mark outlives the window: an id whose holder's writes were lost (its release, its
+-- later renews) looks clean with an older mark, and a daemon whose clock is behind (synced to a Redis
+-- clock that is off) must not start below what that holder issued. Within the skew, time has passed it.
+floor = math.max(floor, tonumber(pool[5] or '0'))
 local created_ms, changed_ms = tonumber(pool[6] or '0'), tonumber(pool[7] or '0')
 local quarantined, skipped = {}, {}
 local later, later_mark = nil, nil
@@ -247,7 +274,7 @@ while true do
   if #batch == 0 then break end
   for i = 1, #batch, 2 do
     local member, score = batch[i], tonumber(batch[i + 1])
-    local verdict, what, mark = check_record(member, score, lo, hi, caller, created_ms)
+    local verdict, what, mark = check_record(member, score, lo, hi, caller, created_ms, legacy)
     if verdict == 'take' then return take(member, what) end
     if verdict == 'skip' then
       offset = offset + 1
@@ -281,8 +308,9 @@ return {-1, now, next_free, 0, 0, barrier, created, pool[1], quarantined, 0, ski
 # and the highest that a renew whose answer never came (or that no replica acknowledged) may have
 # written; any mark between them is one of its own ('': it lost track). good: 1 while its
 # lease never lapsed on its own clock (every renew sent before its deadline).
-# Returns {1, now, expiry, recovering_until_ms, version, free, total, mark, doubt_until_ms, changed_ms, change}:
-#          renewed; free and total count the pool's ids (free: held by nobody), for occupancy warnings
+# Returns {1, now, expiry, recovering_until_ms, version, free, total, mark, doubt_until_ms, changed_ms, change,
+#          mark_hw_ms}: renewed; free and total count the pool's ids (free: held by nobody), for occupancy
+#          warnings; mark_hw_ms the pool's high-water mark (a holder far ahead of it shows a clock off)
 #      or {-1, now, doubt_until_ms}: the id is someone else's now
 #      or {-3, now, what, barrier}: the pool was lost ('missing', 'recreated')
 #      or {-4, now, what, until, change, found_expiry, found_mark, doubt_until_ms, changed_ms}: this id's
@@ -299,7 +327,7 @@ local epoch, wait, skew, seen = ARGV[5], tonumber(ARGV[6]), tonumber(ARGV[7]), t
 local marks, good, caller = ARGV[12], ARGV[13] == '1', tonumber(ARGV[14])
 redis.call('HINCRBY', KEYS[5], 'renew_count', 1)
 local pool = redis.call('HMGET', KEYS[6], 'epoch', 'recovering_until_ms', 'version', 'origin', 'doubt_until_ms',
-  'changed_ms')
+  'changed_ms', 'mark_hw_ms')
 local mark_cover = cover(ttl, skew, caller)
 local lost = nil
 if not pool[1] then
@@ -374,11 +402,13 @@ if hw > mark then
   redis.call('HSET', KEYS[3], id, hw)
   mark = hw
 end
+if hw > tonumber(pool[7] or '0') then redis.call('HSET', KEYS[6], 'mark_hw_ms', hw) end
 redis.call('HINCRBY', KEYS[5], 'renew_success', 1)
 local version = redis.call('HINCRBY', KEYS[6], 'version', 1)
 local total = redis.call('ZCARD', KEYS[1])
 local free = total - redis.call('HLEN', KEYS[2])
-return {1, now, expiry, tonumber(pool[2]), version, free, total, mark, doubt, changed_ms, change}
+return {1, now, expiry, tonumber(pool[2]), version, free, total, mark, doubt, changed_ms, change,
+  math.max(tonumber(pool[7] or '0'), hw)}
 """
 )
 
