@@ -75,6 +75,7 @@ def settings(port: int, context: ssl.SSLContext | None, login: bool) -> dict[str
         found = client.stats("settings")
     finally:
         client.close()
+
     # pymemcache reads yes/no fields (auth_enabled_sasl) as booleans: back to the wire's words.
     def word(value: object) -> str:
         if isinstance(value, bytes):
