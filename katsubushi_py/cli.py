@@ -20,6 +20,7 @@ import contextlib
 import json
 import logging
 import os
+import signal
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -295,6 +296,9 @@ def run_workers(config: ServerConfig) -> int:
 
 def cmd_serve(argv: Sequence[str]) -> int:
     """Serve IDs (the default when no command is given)."""
+    # A reload asked for while the daemon starts must not end it (katsubushi_py.entry does this before
+    # the imports; again here for callers of this module's main).
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)
     config, _ = parse_server_config(argv, os.environ, _top_parser())
     if config is None:
         print(f"{PROG} version: {__version__}")

@@ -381,6 +381,7 @@ def test_http_bearer_token(daemons: DaemonFactory, secrets_dir: Path) -> None:
     assert status == 200 and decode(int(body))[1] == 7
     assert http_get(port, "/metrics", TOKEN)[0] == 200
     assert http_get(port, "/healthz")[0] == 200  # open: load balancers and kubelets probe it
+    assert http_get(port, "/livez")[0] == 200  # open too: the liveness probe
     stats = json.loads(http_get(port, "/stats", TOKEN)[2])
     assert stats["auth_token_errors"] == 4 and "auth_cmds" not in stats  # no --auth-file here
     # The memcached listener is not covered by --token-file (that is --auth-file's).

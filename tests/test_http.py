@@ -334,6 +334,8 @@ def test_healthz_and_grpc_turn_unavailable_while_the_lease_is_unconfirmed(
         }
         status, _, text = fetch(conn, "/id")
         assert status == 503 and json.loads(text)["reason"] == "lease_unconfirmed"
+        # Alive all the same: the liveness probe must not have the pod restarted for a wait.
+        assert fetch(conn, "/livez")[:3:2] == (200, b'{"status":"alive"}\n')
         with pytest.raises(grpc.RpcError) as failed:
             generator.Fetch(pb.FetchRequest(), timeout=5)
         assert failed.value.code() == grpc.StatusCode.UNAVAILABLE

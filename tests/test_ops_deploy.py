@@ -12,9 +12,11 @@ from __future__ import annotations
 import json
 import os
 import re
+import shlex
 import shutil
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import time
@@ -360,3 +362,96 @@ def test_inherited_descriptor_that_is_not_a_listening_socket_is_a_clear_error(tm
     assert result.returncode == 1
     last = result.stderr.strip().splitlines()[-1]
     assert last == "katsubushi-py: error: inherited file descriptor 3 is not a socket: Socket operation on non-socket"
+
+
+# -- the Docker example with TLS and logins (docs/operations.md#docker) ------------------------------
+def documented_docker_run(marker: str) -> list[str]:
+    """The ``docker run`` command of docs/operations.md's Docker section that mentions ``marker``."""
+    text = (ROOT / "docs" / "operations.md").read_text()
+    section = text[text.index("\n## Docker\n") : text.index("\n## Kubernetes\n")]
+    joined = re.sub(r"\\\n\s*", " ", section)
+    [line] = [line for line in joined.splitlines() if line.startswith("docker run") and marker in line]
+    return shlex.split(line.partition("#")[0])[2:]
+
+
+def split_docker_run(words: list[str]) -> tuple[dict[str, str], dict[str, str], list[str]]:
+    """(environment from -e, volumes from -v as {container path: host path[:mode]}, the daemon's
+    arguments)."""
+    env: dict[str, str] = {}
+    volumes: dict[str, str] = {}
+    i = 0
+    while words[i].startswith("-"):
+        option = words[i]
+        if option == "-d":
+            i += 1
+            continue
+        value = words[i + 1]
+        if option == "-e":
+            name, _, setting = value.partition("=")
+            env[name] = setting
+        elif option == "-v":
+            source, target, *mode = value.split(":")
+            volumes[target] = ":".join([source, *mode])
+        i += 2
+    assert words[i] == "katsubushi-py", "the image"
+    return env, volumes, words[i + 1 :]
+
+
+@pytest.mark.once
+def test_the_documented_docker_run_with_tls_and_logins_passes_its_healthcheck(tmp_path: Path) -> None:
+    """docs/operations.md's ``docker run ... --tls-cert ... --auth-file ... --token-file ...``: the image's
+    ENTRYPOINT with those arguments, the volumes standing in as local directories (a certificate made
+    by openssl, a users file, a token file); the image's HEALTHCHECK, pointed at the daemon's pid,
+    reads its flags, asks over TLS and logs in; a client that does not log in gets no ID."""
+    if shutil.which("openssl") is None:
+        pytest.skip("needs the openssl command")
+    from tls_certs import make_certs
+
+    env, volumes, args = split_docker_run(documented_docker_run("--auth-file"))
+    assert {"--tls-cert", "--auth-file", "--token-file"} <= set(args)
+    assert all(source.endswith(":ro") for target, source in volumes.items() if target != "/data"), volumes
+    certs = make_certs(tmp_path / "certs")
+    local = {"/data": tmp_path / "data", "/tls": tmp_path / "tls", "/auth": tmp_path / "auth"}
+    assert set(volumes) == set(local), volumes
+    for directory in local.values():
+        directory.mkdir()
+    shutil.copyfile(certs.server.cert, local["/tls"] / "tls.crt")
+    shutil.copyfile(certs.server.key, local["/tls"] / "tls.key")
+    (local["/auth"] / "users").write_text("app1:0123456789abcdef\napp2:fedcba9876543210\n")
+    (local["/auth"] / "tokens").write_text("stand-in-token-0123456789abcdef\n")
+
+    def moved(arg: str) -> str:
+        for target, directory in local.items():
+            if arg == target or arg.startswith(target + "/"):
+                return str(directory) + arg[len(target) :]
+        return "127.0.0.1" if arg == "0.0.0.0" else arg
+
+    port = free_port()
+    entrypoint = json.loads(instruction("ENTRYPOINT"))
+    argv = [*DAEMON_CMD, *(moved(a) for a in [*entrypoint[1:], *args]), "--port", str(port)]
+    daemon_env = {k: v for k, v in os.environ.items() if k.upper() not in {"WORKER_ID", "PORT", "SOCK", "STATE_DIR"}}
+    daemon_env.update({k: moved(v) for k, v in {**image_environment(), **env}.items()})
+    log = tmp_path / "daemon.log"
+    with open(log, "wb") as err:
+        proc = subprocess.Popen(argv, env=daemon_env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=err)
+    try:
+        wait_for_port(port, proc)
+        check = healthcheck_command()
+        check = [*DAEMON_CMD, *check[1:]]
+        check[check.index("--pid") + 1] = str(proc.pid)
+        result = subprocess.run(check, capture_output=True, text=True, timeout=30)
+        assert result.returncode == 0, result.stderr
+        assert result.stdout.startswith(f"katsubushi-py health: ok: 127.0.0.1:{port} issued ")
+        assert decode(int(result.stdout.split(" issued ")[1].split()[0]))[1] == int(env["WORKER_ID"])
+        context = ssl.create_default_context(cafile=certs.ca.cert)
+        with context.wrap_socket(
+            socket.create_connection(("127.0.0.1", port), timeout=5), server_hostname="localhost"
+        ) as s:
+            s.sendall(b"get a\r\n")
+            assert recv_until(s, b"\r\n") == b"CLIENT_ERROR unauthenticated\r\n"
+        proc.terminate()
+        assert proc.wait(10) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

@@ -8,13 +8,17 @@
 - what operators expect of a fleet is there: non-root, read-only root file system, no capabilities,
   seccomp RuntimeDefault, probes, resource requests, a PVC per pod, a PodDisruptionBudget and a
   headless Service for the StatefulSet, a Redis-leasing Deployment;
+- every file the daemon's flags name (certificate, key, CA, credentials) is mounted read-only from a
+  Secret or ConfigMap, and the flags parse with stand-in files in those places (the TLS ones made by
+  ``openssl``, a users file and a token file);
 - the container's command runs: a real daemon with the StatefulSet's (and the Deployment's) flags
-  answers the probes' paths.
+  answers the probes' paths without credentials, and asks for them everywhere else.
 """
 
 from __future__ import annotations
 
 import functools
+import itertools
 import json
 import re
 import shutil
@@ -138,6 +142,10 @@ def container_env(container: dict[str, Any]) -> dict[str, str]:
 
 #: Where the manifests mount the TLS Secret; the tests put certificates made by openssl there instead.
 TLS_MOUNT = "/etc/katsubushi-py/tls"
+#: The flags that name a file the daemon reads (never the state directory, which it writes).
+FILE_FLAGS = ("--tls-cert", "--tls-key", "--tls-ca", "--auth-file", "--token-file")
+#: The stand-in credentials: a user of the users file, and a token of the token file.
+USER, PASSWORD, TOKEN = "app1", "stand-in-password", "stand-in-token-0123456789abcdef"
 
 
 @functools.cache
@@ -149,9 +157,40 @@ def tls_files() -> Path:
     return certs.directory
 
 
-def local_paths(args: list[str]) -> list[str]:
-    """The manifest's arguments with the TLS Secret's mount moved to :func:`tls_files`."""
-    return [a.replace(TLS_MOUNT, str(tls_files())) if a.startswith(TLS_MOUNT) else a for a in args]
+@functools.cache
+def stand_in(mount: str) -> Path:
+    """A local directory standing for the volume mounted at ``mount``: TLS_MOUNT's certificates, or
+    an empty directory that :func:`local_paths` fills with the files the flags name."""
+    return tls_files() if mount == TLS_MOUNT else Path(tempfile.mkdtemp(prefix="k8s-secret-"))
+
+
+def file_arguments(args: list[str]) -> list[tuple[str, str]]:
+    """(flag, path) for every flag in ``args`` that names a file the daemon reads."""
+    return [(flag, path) for flag, path in itertools.pairwise(args) if flag in FILE_FLAGS]
+
+
+def mount_of(container: dict[str, Any], path: str) -> dict[str, Any]:
+    """The volume mount that ``path`` is in (the longest mount path that contains it)."""
+    found = [m for m in container["volumeMounts"] if path.startswith(m["mountPath"].rstrip("/") + "/")]
+    assert found, f"{path} is not on any volume of the container"
+    return max(found, key=lambda m: len(m["mountPath"]))
+
+
+def local_paths(args: list[str], container: dict[str, Any] | None = None) -> list[str]:
+    """The manifest's arguments with each Secret's mount moved to its :func:`stand_in` directory
+    (TLS_MOUNT's without ``container``), the credential files written there: a users file with
+    USER's password, a token file with TOKEN."""
+    mounts = [TLS_MOUNT] if container is None else [m["mountPath"] for m in container["volumeMounts"]]
+    moved = list(args)
+    for i, arg in enumerate(args):
+        for mount in mounts:
+            if arg.startswith(mount + "/"):
+                moved[i] = str(stand_in(mount)) + arg[len(mount) :]
+    for flag, path in file_arguments(moved):
+        content = {"--auth-file": f"{USER}:{PASSWORD}\n", "--token-file": f"{TOKEN}\n"}.get(flag)
+        if content is not None:
+            Path(path).write_text(content)
+    return moved
 
 
 def daemon_config(workload: dict[str, Any], pod_name: str) -> ServerConfig:
@@ -160,7 +199,7 @@ def daemon_config(workload: dict[str, Any], pod_name: str) -> ServerConfig:
     container = the_container(workload)
     entrypoint = image_entrypoint()
     assert entrypoint[0] == "katsubushi-py" and "command" not in container, "the image's entrypoint runs"
-    argv = local_paths([*entrypoint[1:], *container["args"]])
+    argv = local_paths([*entrypoint[1:], *container["args"]], container)
     if "--worker-id-from" in argv:
         argv += ["--hostname", pod_name]
     config, _ = parse_server_config(argv, container_env(container))
@@ -214,7 +253,64 @@ def test_the_flags_agree_with_the_manifest(kind: str) -> None:
             v for v in workload["spec"]["template"]["spec"]["volumes"] if v["name"] == mounts[TLS_MOUNT]["name"]
         ]
         assert volume["secret"]["secretName"] == "katsubushi-tls"
+    if config.auth is not None:  # logins: the probes ask only what stays open without credentials
+        assert config.auth.auth_file is not None and config.auth.token_file is not None
+        open_paths = {"/healthz", "/livez"} | ({"/metrics"} if config.auth.metrics_no_auth else set())
+        for probe in ("readinessProbe", "livenessProbe"):
+            assert container[probe]["httpGet"]["path"] in open_paths, probe
+            assert "httpHeaders" not in container[probe]["httpGet"], "no credentials in the manifest"
     assert container["image"].endswith(f":{katsubushi_py.__version__}")
+
+
+def test_the_statefulset_serves_tls_and_asks_for_logins() -> None:
+    """The example a fleet copies shows both (issue 27): TLS, memcached users and bearer tokens."""
+    [statefulset] = of_kind("StatefulSet")
+    config = daemon_config(statefulset, "katsubushi-0")
+    assert config.tls is not None and config.auth is not None
+    assert config.auth.auth_file and config.auth.token_file and not config.auth.metrics_no_auth
+
+
+@pytest.mark.parametrize("kind", ["StatefulSet", "Deployment"])
+def test_every_file_the_flags_name_is_mounted_read_only_from_a_secret(kind: str) -> None:
+    """Certificates, keys and credentials come from a Secret (or a ConfigMap), mounted read-only, and
+    the key each flag names is one the volume projects; the daemon's parser reads the stand-ins."""
+    [workload] = of_kind(kind)
+    container = the_container(workload)
+    volumes = {v["name"]: v for v in workload["spec"]["template"]["spec"]["volumes"]}
+    args = [*image_entrypoint()[1:], *container["args"]]
+    for flag, path in file_arguments(args):
+        mount = mount_of(container, path)
+        assert mount.get("readOnly") is True, (flag, path)
+        volume = volumes[mount["name"]]
+        source = volume.get("secret") or volume.get("configMap")
+        assert source is not None, f"{flag} {path}: the volume {mount['name']} is not a Secret or ConfigMap"
+        key = path[len(mount["mountPath"].rstrip("/")) + 1 :]
+        if "items" in source:  # only the keys listed are there
+            assert key in [item["path"] for item in source["items"]], (flag, key)
+        assert "/" not in key and key, (flag, path)
+    # Every Secret volume is mounted, read-only.
+    for name, volume in volumes.items():
+        if "secret" in volume:
+            [mount] = [m for m in container["volumeMounts"] if m["name"] == name]
+            assert mount["readOnly"] is True, name
+    config = daemon_config(workload, f"{workload['metadata']['name']}-0")
+    named = {
+        "--tls-cert": config.tls.cert if config.tls else None,
+        "--tls-key": config.tls.key if config.tls else None,
+        "--tls-ca": config.tls.ca if config.tls else None,
+        "--auth-file": config.auth.auth_file if config.auth else None,
+        "--token-file": config.auth.token_file if config.auth else None,
+    }
+    local = dict(file_arguments(local_paths(args, container)))
+    assert {flag: path for flag, path in named.items() if path is not None} == local
+
+
+def test_a_file_outside_the_secrets_would_be_caught() -> None:
+    [statefulset] = of_kind("StatefulSet")
+    container = the_container(statefulset)
+    with pytest.raises(AssertionError, match="not on any volume"):
+        mount_of(container, "/etc/katsubushi-py/users")
+    assert mount_of(container, "/etc/katsubushi-py/auth/users")["name"] == "auth"
 
 
 def test_a_flag_the_daemon_does_not_know_would_be_caught() -> None:
@@ -284,13 +380,22 @@ def test_the_network_policy_opens_exactly_the_two_ports() -> None:
 
 
 # -- the command runs ------------------------------------------------------------------------------
-def http_status(port: int, path: str, scheme: str = "HTTP") -> int:
+def recv_line(sock: socket.socket) -> bytes:
+    line = b""
+    while not line.endswith(b"\r\n"):
+        byte = sock.recv(1)
+        assert byte, f"closed after {line!r}"
+        line += byte
+    return line
+
+
+def http_status(port: int, path: str, scheme: str = "HTTP", token: str | None = None) -> int:
     """The probe's answer; over HTTPS without checking the certificate, as the kubelet does."""
     context = ssl._create_unverified_context() if scheme == "HTTPS" else None
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    request = urllib.request.Request(f"{scheme.lower()}://127.0.0.1:{port}{path}", headers=headers)
     try:
-        with urllib.request.urlopen(
-            f"{scheme.lower()}://127.0.0.1:{port}{path}", timeout=5, context=context
-        ) as response:
+        with urllib.request.urlopen(request, timeout=5, context=context) as response:
             return response.status
     except urllib.error.HTTPError as exc:
         return exc.code
@@ -307,7 +412,7 @@ def run_container_command(
     data = tmp_path / "data"
     data.mkdir(parents=True)
     moved = {"0.0.0.0": "127.0.0.1", str(port_number(container, "http")): str(http), "/data": str(data)}
-    argv = [*DAEMON_CMD, *local_paths([moved.get(a, a) for a in args]), "--port", str(port)]
+    argv = [*DAEMON_CMD, *local_paths([moved.get(a, a) for a in args], container), "--port", str(port)]
     if "--worker-id-from" in argv:
         argv += ["--hostname", pod_name]
     env = {k: str(data) if v == "/data" else v for k, v in container_env(container).items()}
@@ -328,16 +433,34 @@ def test_the_statefulsets_command_answers_its_probes(tmp_path: Path) -> None:
     try:
         wait_for_port(port, proc)  # the startup probe: a TCP connection to the memcached port
         wait_for_port(http, proc)
-        for probe in ("readinessProbe", "livenessProbe"):
+        for probe in ("readinessProbe", "livenessProbe"):  # without credentials, as the kubelet asks
             get = container[probe]["httpGet"]
             assert http_status(http, get["path"], get.get("scheme", "HTTP")) == 200
+        # Everything else asks for the token (the metrics too).
+        assert [http_status(http, path, "HTTPS") for path in ("/id", "/stats", "/metrics")] == [401] * 3
+        assert http_status(http, "/id", "HTTPS", token=TOKEN) == 200
         context = ssl.create_default_context(cafile=str(tls_files() / "ca.crt"))
+        login = f"{USER} {PASSWORD}".encode()
         with context.wrap_socket(
             socket.create_connection(("127.0.0.1", port), timeout=5), server_hostname="localhost"
         ) as s:
             s.sendall(b"GET a\r\n")
-            reply = s.recv(100)
+            assert recv_line(s) == b"CLIENT_ERROR unauthenticated\r\n"
+            s.sendall(b"set auth 0 0 %d\r\n%b\r\nGET a\r\n" % (len(login), login))
+            assert recv_line(s) == b"STORED\r\n"
+            reply = recv_line(s) + recv_line(s)
         assert reply.startswith(b"VALUE a 0 ") and (int(reply.split(b"\r\n")[1]) >> 12) & 0x3FF == 2
+        # The image's HEALTHCHECK (and an exec probe) with the container's flags: over TLS, logged in.
+        args = [*image_entrypoint()[1:], *container["args"]]
+        flags = local_paths(["127.0.0.1" if a == "0.0.0.0" else a for a in args], container)
+        health = subprocess.run(
+            [*DAEMON_CMD, "health", *flags, "--port", str(port)],
+            capture_output=True,
+            text=True,
+            timeout=30,
+            env=daemon_env(tmp_path / "health"),
+        )
+        assert health.returncode == 0 and " issued " in health.stdout, health.stderr
     finally:
         proc.terminate()
         assert proc.wait(10) == 0

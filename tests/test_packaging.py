@@ -101,7 +101,7 @@ def test_wheel_contains_every_subpackage_and_module(built: Built) -> None:
     dist_info = f"katsubushi_py-{katsubushi_py.__version__}.dist-info"
     assert f"{dist_info}/licenses/LICENSE" in names
     entry_points = zipfile.ZipFile(built.wheel).read(f"{dist_info}/entry_points.txt").decode()
-    assert "katsubushi-py = katsubushi_py.cli:main" in entry_points
+    assert "katsubushi-py = katsubushi_py.entry:main" in entry_points
     metadata = zipfile.ZipFile(built.wheel).read(f"{dist_info}/METADATA").decode()
     assert f"Version: {katsubushi_py.__version__}\n" in metadata
     assert "Requires-Python: >=3.11" in metadata and "License-Expression: MIT" in metadata

@@ -586,3 +586,6 @@ async def serve(
                 await asyncio.wait_for(keeper.stop(last_ms), 1.5)
         for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
             loop.remove_signal_handler(signum)
+        # Removing the handler restores SIGHUP's default action (the end of the process): a reload asked
+        # for while the daemon stores its final mark is ignored instead, as it is during start-up.
+        signal.signal(signal.SIGHUP, signal.SIG_IGN)

@@ -96,7 +96,8 @@ class Stats:
 
 def settings_fields(config: ServerConfig, state_path: str | None = None) -> list[tuple[str, object]]:
     """The daemon's settings for ``stats settings``: memcached's names first (``maxconns``,
-    ``tcpport``, ``inter``, ``domain_socket``, ``idle_timeout``), then ours. Values have no spaces.
+    ``tcpport``, ``inter``, ``domain_socket``, ``idle_timeout``, the TLS and auth settings of
+    :func:`security_settings`), then ours. Values have no spaces.
     ``state_path``: the state file in use now (in the state directory, or --state-file's)."""
     fields: list[tuple[str, object]] = [
         ("maxconns", config.max_connections),
@@ -105,6 +106,7 @@ def settings_fields(config: ServerConfig, state_path: str | None = None) -> list
         ("domain_socket", config.sock or "NULL"),
         ("sock_mode", f"{config.sock_mode:o}" if config.sock_mode is not None else "NULL"),
         ("idle_timeout", int(config.idle_timeout)),
+        *security_settings(config),
         ("layout", config.layout.describe()),
         ("epoch_ms", config.layout.epoch_ms),
         ("state_file", state_path or config.state_file or "NULL"),
@@ -123,3 +125,39 @@ def settings_fields(config: ServerConfig, state_path: str | None = None) -> list
             ("lease_max_worker_id", config.lease.max_worker_id),
         ]
     return fields
+
+
+#: memcached's ``ssl_verify_mode`` numbers (0 none, 1 request, 2 require; its 3, "once", we lack).
+_VERIFY_MODES = {"none": 0, "request": 1, "require": 2}
+
+
+def security_settings(config: ServerConfig) -> list[tuple[str, object]]:
+    """TLS and authentication in ``stats settings``, under memcached 1.6's names and in its formats,
+    shown whether they are on or off as memcached shows them (checked against Debian's memcached
+    1.6.18 in tests/test_stats_settings.py): ``auth_enabled_sasl`` yes/no, ``auth_enabled_ascii`` the
+    auth file or ``no``, ``ssl_enabled`` yes/no, the files as given (``(null)`` for an unset chain
+    or key and ``NULL`` for an unset CA or cipher list, memcached's spellings), ``ssl_verify_mode``
+    0-2, ``ssl_keyformat`` 1 (PEM, the only format read), ``ssl_min_version`` ``tlsv1.2`` or
+    ``tlsv1.3``. memcached's ``ssl_wbuf_size``, ``ssl_session_cache`` and ``ssl_kernel_tls`` are left
+    out: no such setting here. Then ours: the token file, ``metrics_no_auth``, ``login_timeout``,
+    ``plain_port`` and ``request_timeout``."""
+    tls, auth = config.tls, config.auth
+    users = auth.auth_file if auth is not None else None
+    tokens = auth.token_file if auth is not None else None
+    return [
+        ("auth_enabled_sasl", "yes" if users else "no"),  # SASL PLAIN on the binary protocol
+        ("auth_enabled_ascii", users or "no"),  # memcached shows its -Y file here
+        ("ssl_enabled", "yes" if tls is not None else "no"),
+        ("ssl_chain_cert", tls.cert if tls is not None else "(null)"),
+        ("ssl_key", (tls.key if tls is not None else None) or "(null)"),
+        ("ssl_verify_mode", _VERIFY_MODES.get(tls.verify, 0) if tls is not None else 0),
+        ("ssl_keyformat", 1),
+        ("ssl_ciphers", (tls.ciphers if tls is not None else None) or "NULL"),
+        ("ssl_ca_cert", (tls.ca if tls is not None else None) or "NULL"),
+        ("ssl_min_version", "tlsv" + (tls.min_version if tls is not None else "1.2")),
+        ("auth_token_file", tokens or "NULL"),
+        ("metrics_no_auth", "yes" if auth is not None and auth.metrics_no_auth else "no"),
+        ("login_timeout", f"{auth.login_timeout:g}" if users and auth is not None else 0),
+        ("plain_port", config.plain_port if config.plain_port is not None else 0),
+        ("request_timeout", f"{config.request_timeout:g}"),
+    ]

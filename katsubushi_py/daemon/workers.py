@@ -275,12 +275,13 @@ class Supervisor:
             code = 1
             try:
                 _die_with(supervisor)
-                signal.pthread_sigmask(signal.SIG_SETMASK, set())
+                # A reload asked for before this process serves has nothing to reload yet (its files
+                # are read as it starts): ignored until serve() installs the handler, not fatal. Set
+                # before the signals are unblocked, so that none arrives to the default action.
+                signal.signal(signal.SIGHUP, signal.SIG_IGN)
                 for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGCHLD):
                     signal.signal(signum, signal.SIG_DFL)
-                # A reload asked for before this process serves has nothing to reload yet (its files
-                # are read as it starts): ignored until serve() installs the handler, not fatal.
-                signal.signal(signal.SIGHUP, signal.SIG_IGN)
+                signal.pthread_sigmask(signal.SIG_SETMASK, set())
                 mine = {id(sock) for sock in _all(slot.listeners)}
                 for other in self.slots:  # another process's SO_REUSEPORT socket must not stay open here
                     for sock in _all(other.listeners):
@@ -300,6 +301,10 @@ class Supervisor:
         self.open_listeners()
         watched = {signal.SIGTERM, signal.SIGINT, signal.SIGCHLD, signal.SIGHUP}
         signal.pthread_sigmask(signal.SIG_BLOCK, watched)
+        # SIGHUP was ignored since the command started (katsubushi_py.entry); blocked now, it waits for
+        # sigwaitinfo below under its default action, which a blocked signal never takes (an ignored
+        # one may be discarded at once, POSIX says).
+        signal.signal(signal.SIGHUP, signal.SIG_DFL)
         status = 0
         try:
             for slot in self.slots:
@@ -335,6 +340,9 @@ class Supervisor:
         finally:
             self._stop_all()
             self.close_listeners()
+            # A reload asked for while stopping is dropped, not taken for the end of the supervisor
+            # (ignoring a signal discards it if pending) once the signals are unblocked.
+            signal.signal(signal.SIGHUP, signal.SIG_IGN)
             signal.pthread_sigmask(signal.SIG_UNBLOCK, watched)
         return status
 

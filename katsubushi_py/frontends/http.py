@@ -9,6 +9,7 @@ Routes (exact paths, ``GET`` only; any other method on them is ``405`` with ``Al
   generation failure is ``503`` with the reason.
 - ``/stats``: the STATS fields as indented JSON (go-katsubushi's nine first, then ours).
 - ``/metrics`` (Prometheus), ``/healthz`` (``200``, or ``503`` with why no ID can be issued now),
+  ``/livez`` (``200`` while the event loop answers: a liveness probe),
   ``/decode/<id>`` (the JSON line of ``katsubushi-py decode``).
 - Anything else is ``404``. Every error body is ``{"error": "..."}``.
 
@@ -182,6 +183,7 @@ class HttpApi:
             b"/ids": self._ids,
             b"/stats": self._stats,
             b"/healthz": self._healthz,
+            b"/livez": self._livez,
         }
         if metrics is not None:
             self._routes[b"/metrics"] = self._metrics_route
@@ -189,10 +191,11 @@ class HttpApi:
         self._open: frozenset[bytes] = frozenset()
 
     def require_token(self, credentials: Credentials, metrics_open: bool = False) -> None:
-        """--token-file: every route but /healthz (and /metrics with ``metrics_open``) needs
+        """--token-file: every route but /healthz and /livez (and /metrics with ``metrics_open``) needs
         ``Authorization: Bearer <token>``; without it, 401 and a ``WWW-Authenticate`` challenge."""
         self._credentials = credentials
-        self._open = frozenset((b"/healthz", b"/metrics") if metrics_open else (b"/healthz",))
+        probes = (b"/healthz", b"/livez")  # what kubelets and load balancers ask, without credentials
+        self._open = frozenset((*probes, b"/metrics") if metrics_open else probes)
 
     def respond(self, request: Request | Refusal) -> bytes:
         """The response to one request. Raises :class:`ClockWait` (nothing sent, nothing counted) when
@@ -278,6 +281,11 @@ class HttpApi:
             return self._reply(request, 200, JSON, json.dumps(body, separators=(",", ":")).encode() + b"\n")
         body = {"status": "unavailable", "reason": problem.reason, "message": problem.message}
         return self._reply(request, 503, JSON, json.dumps(body, separators=(",", ":")).encode() + b"\n")
+
+    def _livez(self, request: Request, query: bytes | None) -> bytes:
+        """Alive: the event loop answers (a liveness probe). Nothing about issuing, which /healthz
+        answers: a daemon waiting for its clock or a lease recovers by itself, a restart would not help."""
+        return self._reply(request, 200, JSON, b'{"status":"alive"}\n')
 
     def _metrics_route(self, request: Request, query: bytes | None) -> bytes:
         assert self._metrics is not None
