@@ -1312,8 +1312,9 @@ sock_hand_exception(SockCore *self, PyObject *name, PyObject *extra)
     return r;
 }
 
-/* The TLS read: one read(n) of OpenSSL's object, handed to the protocol; then, if OpenSSL still holds
- * decrypted bytes and the connection goes on, _tls_more (which reads them on the next turn). */
+/* The TLS read: one read(n) of OpenSSL's object, handed to the protocol; then, if the read got all it
+ * asked for, OpenSSL still holds decrypted bytes and the connection goes on, _tls_more (which reads
+ * them on the next turn). */
 static PyObject *
 sock_tls_readable(SockCore *self)
 {
@@ -1333,7 +1334,9 @@ sock_tls_readable(SockCore *self)
         PyObject *callback = Py_NewRef(self->data_received);
         r = PyObject_CallOneArg(callback, data);
         Py_DECREF(callback);
-        if (r != NULL && !self->closing && self->data_received != NULL) {
+        /* A read that got less than it asked for emptied OpenSSL's record: nothing is pending. */
+        if (r != NULL && PyBytes_GET_SIZE(data) == self->tls_read_size && !self->closing &&
+            self->data_received != NULL) {
             PyObject *pending = PyObject_CallMethodNoArgs(tls, str_pending);
             int more = pending == NULL ? -1 : PyObject_IsTrue(pending);
             Py_XDECREF(pending);

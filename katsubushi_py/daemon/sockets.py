@@ -92,7 +92,9 @@ class PySocketCore:
             if data:
                 self._tls_partial = False
                 self._data_received(data)
-                if not self._closing and self._data_received is not None and tls.pending():
+                # A read that got less than it asked for emptied OpenSSL's record: nothing is pending.
+                full = len(data) == self._tls_read_size
+                if full and not self._closing and self._data_received is not None and tls.pending():
                     self._tls_more()
             else:
                 self._eof_received()
