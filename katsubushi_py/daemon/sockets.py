@@ -13,11 +13,15 @@ request here is one ``recv``, the compiled ``data_received`` and one ``send``.
 ``connection_lost`` as asyncio does, so the connection glue is the same on either transport.
 
 Its read and write are :class:`PySocketCore` (the reference, here) or ``_speedups.SocketCore``
-(the compiled twin). The daemon serves memcached this way only when the compiled hot path runs
+(the compiled twin). The daemon serves plain memcached this way only when the compiled hot path runs
 (:data:`DIRECT`); without it, uvloop's own streams are faster than Python-level ``recv`` and ``send``,
-so the pure-Python daemon keeps them. HTTP always uses the loop's streams.
+so the pure-Python daemon keeps them. Plain HTTP always uses the loop's streams. TLS connections, on
+every listener kind and on both hot paths, are served here too (the handshake by
+:class:`~katsubushi_py.daemon.tls.TlsHandshake`, then reads and writes through OpenSSL's object of the
+``SSLSocket``, see :class:`PySocketCore`): cheaper than the loop's TLS transport on either path.
 
-Worst-case memory: one 256 KiB read buffer per process, plus per connection the replies the client
+Worst-case memory: one 256 KiB read buffer per process (a TLS read allocates at most 64 KiB, then
+shrinks to what it got), plus per connection the replies the client
 has not read, bounded by the write high-water mark (above it the protocol takes no more commands) plus
 one reply, and what the connection glue reads ahead meanwhile (``--read-ahead``; see
 :mod:`~katsubushi_py.daemon.connection`).
