@@ -366,4 +366,3 @@ async def test_failed_and_stalled_handshakes_close_without_a_protocol(transport_
     pending.settimeout(5)
     assert pending.recv(10) == b""
     pending.close()
-

@@ -377,8 +377,9 @@ class _Transport:
         self._loop.call_soon(self._tls_drain)
 
     def _tls_drain(self) -> None:
-        """Read what OpenSSL holds decrypted (``pending()``), unless reading has stopped meanwhile."""
-        if self._reading and not self._closing:
+        """Read what OpenSSL holds decrypted (``pending()``), unless reading has stopped meanwhile or
+        the reader callback has read it already (then a read would find nothing: not a record begun)."""
+        if self._reading and not self._closing and self._tls is not None and self._tls.pending():
             self._readable()
 
     def _connection_lost(self, exc: Exception | None) -> None:
