@@ -9,7 +9,11 @@ medians over the rounds: requests/s, and server CPU (user + system, from /proc) 
 katsubushi-py/memcached ratios. Both servers are pinned to CPU 0 (taskset), the load generator to
 CPU 1; memcached runs one worker thread (-t 1), the daemon one process: like for like.
 
-Usage: python bench/tls_bench.py [--rounds 5] [--seconds 2] [--json PATH] [--quick]
+``--baseline DIR`` also measures the katsubushi-py checked out in DIR (``PYTHONPATH=DIR``, its own
+compiled modules built there), ``--pure`` the pure-Python hot path (``KATSUBUSHI_NO_EXTENSIONS=1``; with
+``--baseline``, the baseline's too): each in every round, in turn, with its own ratio to memcached.
+
+Usage: python bench/tls_bench.py [--rounds 5] [--seconds 2] [--baseline DIR] [--pure] [--json PATH] [--quick]
 """
 
 from __future__ import annotations
@@ -66,22 +70,38 @@ def build_loadgen(workdir: Path) -> str:
     return str(out)
 
 
-def start_servers(memcached: str, cert: str, key: str, python: str) -> dict[str, tuple[subprocess.Popen[bytes], int]]:
-    state = tempfile.mkdtemp(prefix="kbench-tls-state-")
-    ports = {"katsubushi-py": free_port(), "memcached": free_port()}
+def variants(baseline: str | None, pure: bool) -> dict[str, dict[str, str]]:
+    """The katsubushi-py variants to measure and their environments (see the module's docstring)."""
+    found = {"katsubushi-py": {}}
+    no_ext = {"KATSUBUSHI_NO_EXTENSIONS": "1"}
+    if pure:
+        found["katsubushi-py (pure)"] = no_ext
+    if baseline:
+        found["baseline"] = {"PYTHONPATH": str(Path(baseline).resolve())}
+        if pure:
+            found["baseline (pure)"] = {**found["baseline"], **no_ext}
+    return found
+
+
+def start_servers(
+    memcached: str, cert: str, key: str, python: str, envs: dict[str, dict[str, str]]
+) -> dict[str, tuple[subprocess.Popen[bytes], int]]:
+    ports = {name: free_port() for name in [*envs, "memcached"]}
     pin = ["taskset", "-c", "0"] if shutil.which("taskset") else []
     cmds = {
-        "katsubushi-py": [*pin, python, "-m", "katsubushi_py", "--worker-id", "1", "--log-level", "warn",
-                          "--idle-timeout", "0", "--state-dir", state, "--port", str(ports["katsubushi-py"]),
-                          "--tls-cert", cert, "--tls-key", key],
-        "memcached": [*pin, memcached, "-t", "1", "-U", "0", "-c", "4096", "-m", "64", "-l", "127.0.0.1",
-                      "-p", str(ports["memcached"]), "-Z", "-o", f"ssl_chain_cert={cert},ssl_key={key}",
-                      *(["-u", "root"] if os.geteuid() == 0 else [])],
+        name: [*pin, python, "-m", "katsubushi_py", "--worker-id", "1", "--log-level", "warn",
+               "--idle-timeout", "0", "--state-dir", tempfile.mkdtemp(prefix="kbench-tls-state-"),
+               "--port", str(ports[name]), "--tls-cert", cert, "--tls-key", key]
+        for name in envs
     }  # fmt: skip
+    cmds["memcached"] = [*pin, memcached, "-t", "1", "-U", "0", "-c", "4096", "-m", "64", "-l", "127.0.0.1",
+                         "-p", str(ports["memcached"]), "-Z", "-o", f"ssl_chain_cert={cert},ssl_key={key}",
+                         *(["-u", "root"] if os.geteuid() == 0 else [])]  # fmt: skip
     servers = {}
     for name, cmd in cmds.items():
         quiet = subprocess.DEVNULL if name == "memcached" else None  # (memcached complains at its stop)
-        proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=quiet)
+        env = {**os.environ, **envs.get(name, {})}
+        proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=quiet, env=env)
         wait_ready(ports[name], None, proc)
         servers[name] = (proc, ports[name])
     return servers
@@ -128,20 +148,25 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="1 round of 0.3 s: checks that everything works")
     parser.add_argument("--python", default=sys.executable, help="interpreter for katsubushi-py")
     parser.add_argument("--json", metavar="PATH", help="also write every sample as JSON")
+    parser.add_argument("--baseline", metavar="DIR", help="also measure the katsubushi-py checked out in DIR")
+    parser.add_argument("--pure", action="store_true", help="also measure the pure-Python hot path")
     args = parser.parse_args()
     rounds, seconds = (1, 0.3) if args.quick else (args.rounds, args.seconds)
     memcached = ensure_memcached()
     work = Path(tempfile.mkdtemp(prefix="kbench-tls-"))
     ca, cert, key = make_certificate(work)
     loadgen = build_loadgen(work)
-    servers = start_servers(memcached, cert, key, args.python)
+    envs = variants(args.baseline, args.pure)
+    servers = start_servers(memcached, cert, key, args.python, envs)
     samples: dict[str, dict[str, list[dict[str, float]]]] = {}
     try:
         preload(servers["memcached"][1], ca)
         for round_ in range(rounds):
             for conns, keys in SCENARIOS:
                 name = f"{conns} connection{'s' * (conns > 1)}, {keys}-key GET"
-                order = ["katsubushi-py", "memcached"] if round_ % 2 == 0 else ["memcached", "katsubushi-py"]
+                names = [*envs, "memcached"]
+                shift = round_ % len(names)
+                order = names[shift:] + names[:shift]  # each goes first in turn
                 for server in order:
                     proc, port = servers[server]
                     row = measure(loadgen, proc, port, conns, keys, seconds, ca)
@@ -165,6 +190,17 @@ def main() -> None:
             f" {k['cpu_us_per_request']:.1f} | {m['cpu_us_per_request']:.1f} |"
             f" {m['cpu_us_per_request'] / k['cpu_us_per_request']:.2f}x |"
         )
+    if len(envs) > 1:
+        print("\nEvery variant: server CPU per request (us), and memcached's over it (medians):\n")
+        print("| scenario | " + " | ".join(envs) + " |")
+        print("|---|" + "---:|" * len(envs))
+        for name, by_server in samples.items():
+            mc = statistics.median(r["cpu_us_per_request"] for r in by_server["memcached"])
+            cells = []
+            for variant in envs:
+                ours = statistics.median(r["cpu_us_per_request"] for r in by_server[variant])
+                cells.append(f"{ours:.1f} ({mc / ours:.2f}x)")
+            print(f"| {name} | " + " | ".join(cells) + " |")
     if args.json:
         Path(args.json).write_text(json.dumps({"machine": machine(), "samples": samples}, indent=1))
 

@@ -24,7 +24,9 @@
  *   SocketCore     twin of daemon/sockets.py PySocketCore: a memcached connection's read (one recv,
  *                  handed to data_received) and write (one send; the rest queued in Python), for the
  *                  socket transport the loop drives with add_reader, so that a request passes through
- *                  no event-loop stream object at all.
+ *                  no event-loop stream object at all. On a TLS connection (_tls: OpenSSL's object of the
+ *                  SSLSocket) the read is its read(n) and the write its write(data), and whatever they
+ *                  raise is handed to Python (_tls_failed, _tls_write_failed) to decide.
  *
  * The rule that keeps the twins identical: C only ever does what the Python code would do for the
  * same input in the same state, and gives up (to Python) whenever it would have to decide anything
@@ -1256,9 +1258,13 @@ typedef struct {
     char pending;            /* _pending: bytes wait in the Python queue, so a write must go behind them */
     char closing;            /* _closing: close() or abort() was called: writes are dropped, reads stop */
     PyObject *data_received; /* _data_received: the protocol's data_received */
+    PyObject *tls;           /* _tls: OpenSSL's object (read, write, pending) of a TLS connection; NULL: plain */
+    char tls_partial;        /* _tls_partial: the last TLS read found part of a record only */
+    Py_ssize_t tls_read_size; /* _tls_read_size: what one TLS read asks for */
 } SockCore;
 
 static PyObject *str_queue, *str_eof_received, *str_fatal;
+static PyObject *str_read, *str_write, *str_pending, *str_tls_failed, *str_tls_write_failed, *str_tls_more;
 
 /* One read per readiness event (as uvloop's streams do, and of their size), into one buffer shared
  * by every connection of the process: the loop runs one callback at a time. */
@@ -1269,6 +1275,7 @@ static int
 SockCore_traverse(SockCore *self, visitproc visit, void *arg)
 {
     Py_VISIT(self->data_received);
+    Py_VISIT(self->tls);
     Py_VISIT(Py_TYPE(self));
     return 0;
 }
@@ -1277,7 +1284,74 @@ static int
 SockCore_clear(SockCore *self)
 {
     Py_CLEAR(self->data_received);
+    Py_CLEAR(self->tls);
     return 0;
+}
+
+/* The exception just raised (an OSError of a TLS read or write), handed to the Python method `name`
+ * (with `extra`, the data of a write, when not NULL). */
+static PyObject *
+sock_hand_exception(SockCore *self, PyObject *name, PyObject *extra)
+{
+#if PY_VERSION_HEX >= 0x030C0000
+    PyObject *exc = PyErr_GetRaisedException();
+#else
+    PyObject *type, *exc, *tb;
+    PyErr_Fetch(&type, &exc, &tb);
+    PyErr_NormalizeException(&type, &exc, &tb);
+    if (exc != NULL && tb != NULL)
+        PyException_SetTraceback(exc, tb);
+    Py_XDECREF(type);
+    Py_XDECREF(tb);
+#endif
+    if (exc == NULL)
+        return NULL;
+    PyObject *r = extra == NULL ? PyObject_CallMethodOneArg((PyObject *)self, name, exc)
+                                : PyObject_CallMethodObjArgs((PyObject *)self, name, exc, extra, NULL);
+    Py_DECREF(exc);
+    return r;
+}
+
+/* The TLS read: one read(n) of OpenSSL's object, handed to the protocol; then, if the read got all it
+ * asked for, OpenSSL still holds decrypted bytes and the connection goes on, _tls_more (which reads
+ * them on the next turn). */
+static PyObject *
+sock_tls_readable(SockCore *self)
+{
+    PyObject *tls = Py_NewRef(self->tls);
+    Py_INCREF(self);
+    PyObject *r = NULL;
+    PyObject *size = PyLong_FromSsize_t(self->tls_read_size);
+    PyObject *data = size == NULL ? NULL : PyObject_CallMethodOneArg(tls, str_read, size);
+    Py_XDECREF(size);
+    if (data == NULL) {
+        if (size != NULL && PyErr_ExceptionMatches(PyExc_OSError))
+            r = sock_hand_exception(self, str_tls_failed, NULL);
+    } else if (!PyBytes_Check(data)) {
+        PyErr_SetString(PyExc_TypeError, "a TLS read must return bytes");
+    } else if (PyBytes_GET_SIZE(data) > 0) {
+        self->tls_partial = 0;
+        PyObject *callback = Py_NewRef(self->data_received);
+        r = PyObject_CallOneArg(callback, data);
+        Py_DECREF(callback);
+        /* A read that got less than it asked for emptied OpenSSL's record: nothing is pending. */
+        if (r != NULL && PyBytes_GET_SIZE(data) == self->tls_read_size && !self->closing &&
+            self->data_received != NULL) {
+            PyObject *pending = PyObject_CallMethodNoArgs(tls, str_pending);
+            int more = pending == NULL ? -1 : PyObject_IsTrue(pending);
+            Py_XDECREF(pending);
+            if (more != 0) {
+                Py_DECREF(r);
+                r = more < 0 ? NULL : PyObject_CallMethodNoArgs((PyObject *)self, str_tls_more);
+            }
+        }
+    } else {
+        r = PyObject_CallMethodNoArgs((PyObject *)self, str_eof_received);
+    }
+    Py_XDECREF(data);
+    Py_DECREF(tls);
+    Py_DECREF(self);
+    return r;
 }
 
 static void
@@ -1309,6 +1383,8 @@ SockCore_readable(SockCore *self, PyObject *unused)
 {
     if (self->closing || self->data_received == NULL)
         Py_RETURN_NONE;
+    if (self->tls != NULL)
+        return sock_tls_readable(self);
     ssize_t n;
     do {
         n = recv(self->fd, sock_read_buffer, SOCK_READ_SIZE, 0);
@@ -1348,9 +1424,30 @@ SockCore_write(SockCore *self, PyObject *data)
     if (size == 0)
         Py_RETURN_NONE;
     ssize_t n;
-    do {
-        n = send(self->fd, PyBytes_AS_STRING(data), (size_t)size, MSG_NOSIGNAL | MSG_DONTWAIT);
-    } while (n < 0 && errno == EINTR);
+    if (self->tls != NULL) {
+        /* write(data) of OpenSSL's object: all of it, or an exception (SSLWantWriteError: the caller
+         * keeps the same bytes for the retry, as OpenSSL requires) handed to _tls_write_failed. */
+        PyObject *tls = Py_NewRef(self->tls);
+        PyObject *sent = PyObject_CallMethodOneArg(tls, str_write, data);
+        Py_DECREF(tls);
+        if (sent == NULL) {
+            if (!PyErr_ExceptionMatches(PyExc_OSError))
+                return NULL;
+            return sock_hand_exception(self, str_tls_write_failed, data);
+        }
+        n = PyLong_AsSsize_t(sent);
+        Py_DECREF(sent);
+        if (n == -1 && PyErr_Occurred())
+            return NULL;
+        if (n >= size)
+            Py_RETURN_NONE;
+        if (n < 0)
+            n = 0;
+    } else {
+        do {
+            n = send(self->fd, PyBytes_AS_STRING(data), (size_t)size, MSG_NOSIGNAL | MSG_DONTWAIT);
+        } while (n < 0 && errno == EINTR);
+    }
     if (n == size)
         Py_RETURN_NONE;
     if (n < 0) {
@@ -1383,7 +1480,23 @@ SockCore_set_data_received(SockCore *self, PyObject *v, void *c)
     return 0;
 }
 
+static PyObject *
+SockCore_get_tls(SockCore *self, void *c)
+{
+    return Py_NewRef(self->tls ? self->tls : Py_None);
+}
+
+static int
+SockCore_set_tls(SockCore *self, PyObject *v, void *c)
+{
+    PyObject *new = (v == NULL || v == Py_None) ? NULL : v;
+    Py_XINCREF(new);
+    Py_XSETREF(self->tls, new);
+    return 0;
+}
+
 static PyObject *SockCore_get_pending(SockCore *self, void *c) { return PyBool_FromLong(self->pending); }
+static PyObject *SockCore_get_tls_partial(SockCore *self, void *c) { return PyBool_FromLong(self->tls_partial); }
 static PyObject *SockCore_get_closing(SockCore *self, void *c) { return PyBool_FromLong(self->closing); }
 
 static int
@@ -1398,6 +1511,7 @@ SockCore_set_flag(char *flag, PyObject *v)
 
 static int SockCore_set_pending(SockCore *self, PyObject *v, void *c) { return SockCore_set_flag(&self->pending, v); }
 static int SockCore_set_closing(SockCore *self, PyObject *v, void *c) { return SockCore_set_flag(&self->closing, v); }
+static int SockCore_set_tls_partial(SockCore *self, PyObject *v, void *c) { return SockCore_set_flag(&self->tls_partial, v); }
 
 static PyMethodDef SockCore_methods[] = {
     {"_readable", (PyCFunction)SockCore_readable, METH_NOARGS, "Read once and hand the bytes to the protocol."},
@@ -1407,6 +1521,7 @@ static PyMethodDef SockCore_methods[] = {
 
 static PyMemberDef SockCore_members[] = {
     {"_fd", T_INT, offsetof(SockCore, fd), 0, NULL},
+    {"_tls_read_size", T_PYSSIZET, offsetof(SockCore, tls_read_size), 0, NULL},
     {NULL},
 };
 
@@ -1414,6 +1529,8 @@ static PyGetSetDef SockCore_getset[] = {
     {"_data_received", (getter)SockCore_get_data_received, (setter)SockCore_set_data_received, NULL, NULL},
     {"_pending", (getter)SockCore_get_pending, (setter)SockCore_set_pending, NULL, NULL},
     {"_closing", (getter)SockCore_get_closing, (setter)SockCore_set_closing, NULL, NULL},
+    {"_tls", (getter)SockCore_get_tls, (setter)SockCore_set_tls, NULL, NULL},
+    {"_tls_partial", (getter)SockCore_get_tls_partial, (setter)SockCore_set_tls_partial, NULL, NULL},
     {NULL},
 };
 
@@ -1472,6 +1589,14 @@ speedups_exec(PyObject *m)
     str_eof_received = PyUnicode_InternFromString("_eof_received");
     str_fatal = PyUnicode_InternFromString("_fatal");
     if (!str_queue || !str_eof_received || !str_fatal)
+        return -1;
+    str_read = PyUnicode_InternFromString("read");
+    str_write = PyUnicode_InternFromString("write");
+    str_pending = PyUnicode_InternFromString("pending");
+    str_tls_failed = PyUnicode_InternFromString("_tls_failed");
+    str_tls_write_failed = PyUnicode_InternFromString("_tls_write_failed");
+    str_tls_more = PyUnicode_InternFromString("_tls_more");
+    if (!str_read || !str_write || !str_pending || !str_tls_failed || !str_tls_write_failed || !str_tls_more)
         return -1;
     PyTypeObject *sock = (PyTypeObject *)PyType_FromModuleAndSpec(m, &SockCore_spec, NULL);
     if (sock == NULL || PyModule_AddType(m, sock) < 0)

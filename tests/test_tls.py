@@ -396,3 +396,42 @@ def test_socket_activation_serves_tls_on_inherited_tcp_and_plain_on_the_unix_soc
     finally:
         proc.terminate()
         proc.wait(10)
+
+
+def test_a_tls_record_trickled_in_after_the_handshake_is_closed_by_the_request_deadline(
+    daemons: DaemonFactory, certs: Certs
+) -> None:
+    """After a working request, a record header and then one byte a second: OpenSSL never has a whole
+    record, the protocol never sees a byte, yet the connection is closed within the request deadline
+    (1 s, swept every 0.25 s), not the idle timeout (60 s)."""
+    plain = free_port()
+    d = daemons.start(*tls_args(certs, "--plain-port", str(plain), "--request-timeout", "1s", "--idle-timeout", "60s"))
+    tls = client_context(certs).wrap_socket(
+        socket.create_connection(("127.0.0.1", d.port), timeout=5),  # type: ignore[arg-type]
+        server_hostname="localhost",
+    )
+    with tls:
+        tls.sendall(b"get a\r\n")
+        assert recv_until(tls, b"END\r\n").startswith(b"VALUE a 0 ")
+        started = time.monotonic()
+        socket.socket.sendall(tls, b"\x17\x03\x03\x00\x40")  # application data, 64 bytes: never sent
+        tls.settimeout(1.0)
+        closed_after = None
+        while time.monotonic() - started < 15:
+            try:
+                socket.socket.sendall(tls, b"\x00")
+                while socket.socket.recv(tls, 4096):  # (our close_notify, then the end)
+                    pass
+                closed_after = time.monotonic() - started
+                break
+            except TimeoutError:
+                continue
+            except (ConnectionResetError, BrokenPipeError):
+                closed_after = time.monotonic() - started
+                break
+    assert closed_after is not None and closed_after < 5, closed_after
+    with socket.create_connection(("127.0.0.1", plain), timeout=5) as s:
+        s.sendall(b"stats\r\n")
+        stats = recv_until(s, b"END\r\n").decode()
+    assert "STAT request_timeouts 1\r\n" in stats
+    assert d.proc.poll() is None and "Traceback" not in d.stderr()

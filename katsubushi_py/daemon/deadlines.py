@@ -3,7 +3,8 @@
 Without it a client that sends a command line, or an HTTP request's head, a byte every few seconds
 holds its connection for the whole idle timeout (10 minutes by default), since each byte counts as
 activity; enough of them use up ``--max-connections``. (A TLS handshake has its own deadline, the
-same duration, given to ``loop.start_tls``: see :mod:`.tls`.)
+same duration: see :mod:`.tls`. After it, a TLS record begun and not finished, which the protocol
+never sees, counts as a partial request: the transport's ``_tls_partial``.)
 
 Cost: nothing per request. One sweep over the open connections runs every quarter of the deadline
 (at most once a second, at least four times a second): a connection holding part of a request
@@ -66,7 +67,9 @@ class RequestDeadlines:
         still: dict[ConnectionHandler, tuple[int, float]] = {}
         for handler in self._daemon.connections:
             conn = handler._conn
-            if handler._write_paused or handler._wait_handle is not None or not holds_partial_request(conn):
+            if handler._write_paused or handler._wait_handle is not None:
+                continue
+            if not holds_partial_request(conn) and not getattr(handler._transport, "_tls_partial", False):
                 continue
             before = seen.get(handler)
             if before is None or before[0] != conn.activity:

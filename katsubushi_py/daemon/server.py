@@ -262,11 +262,11 @@ class Daemon:
         host: str | None = None,
     ) -> None:
         """Listen on --host:port; ``direct``: serve with our socket transport (memcached, compiled);
-        ``kind`` (memcached, http, grpc): with TLS when it is on (then never direct)."""
+        ``kind`` (memcached, http, grpc): with TLS when it is on (always on our socket transport)."""
         host = self.config.host if host is None else host
         tls: dict[str, Any] = {}
         if kind is not None and self.tls is not None:
-            tls, direct = self.tls.server_options(kind), False
+            tls, direct = self.tls.server_options(kind), True
         backlog = min(4096, max(128, self.config.max_connections))
         server: asyncio.AbstractServer | SocketServer
         try:
@@ -274,14 +274,14 @@ class Daemon:
                 socks = bind_tcp(host, port)
                 try:
                     for sock in socks:
-                        self.servers.append(SocketServer(self.loop, sock, factory, backlog))
+                        self.servers.append(SocketServer(self.loop, sock, factory, backlog, **tls))
                         self._note_addresses(self.servers[-1], scheme)
                 except OSError:
                     for sock in socks:
                         sock.close()
                     raise
                 return
-            server = await self.loop.create_server(factory, host, port, backlog=backlog, reuse_address=True, **tls)
+            server = await self.loop.create_server(factory, host, port, backlog=backlog, reuse_address=True)
         except OSError as exc:
             await self.close_listeners()
             reason = "address already in use" if exc.errno == errno.EADDRINUSE else (exc.strerror or str(exc))
@@ -417,8 +417,7 @@ class Daemon:
         for sock in sockets:
             server: asyncio.AbstractServer | SocketServer
             if kind is not None and self.tls is not None and sock.family != socket.AF_UNIX:
-                options = self.tls.server_options(kind)
-                server = await self.loop.create_server(factory, sock=sock, backlog=backlog, **options)
+                server = SocketServer(self.loop, sock, factory, backlog, **self.tls.server_options(kind))
             elif direct:
                 server = SocketServer(self.loop, sock, factory, backlog)
             elif sock.family == socket.AF_UNIX:

@@ -13,11 +13,15 @@ request here is one ``recv``, the compiled ``data_received`` and one ``send``.
 ``connection_lost`` as asyncio does, so the connection glue is the same on either transport.
 
 Its read and write are :class:`PySocketCore` (the reference, here) or ``_speedups.SocketCore``
-(the compiled twin). The daemon serves memcached this way only when the compiled hot path runs
+(the compiled twin). The daemon serves plain memcached this way only when the compiled hot path runs
 (:data:`DIRECT`); without it, uvloop's own streams are faster than Python-level ``recv`` and ``send``,
-so the pure-Python daemon keeps them. HTTP always uses the loop's streams.
+so the pure-Python daemon keeps them. Plain HTTP always uses the loop's streams. TLS connections, on
+every listener kind and on both hot paths, are served here too (the handshake by
+:class:`~katsubushi_py.daemon.tls.TlsHandshake`, then reads and writes through OpenSSL's object of the
+``SSLSocket``, see :class:`PySocketCore`): cheaper than the loop's TLS transport on either path.
 
-Worst-case memory: one 256 KiB read buffer per process, plus per connection the replies the client
+Worst-case memory: one 256 KiB read buffer per process (a TLS read allocates at most 64 KiB, then
+shrinks to what it got), plus per connection the replies the client
 has not read, bounded by the write high-water mark (above it the protocol takes no more commands) plus
 one reply, and what the connection glue reads ahead meanwhile (``--read-ahead``; see
 :mod:`~katsubushi_py.daemon.connection`).
@@ -31,10 +35,12 @@ import errno
 import logging
 import os
 import socket
+import ssl
 from collections import deque
 from typing import Any
 
 from ..compiled import speedups
+from .tls import TlsHandshake
 
 log = logging.getLogger("katsubushi_py")
 
@@ -43,6 +49,9 @@ log = logging.getLogger("katsubushi_py")
 HIGH_WATER = 64 * 1024
 LOW_WATER = 16 * 1024
 READ_SIZE = 256 * 1024  # one read per readiness event, uvloop's size (the C core's buffer)
+#: The most a TLS read asks OpenSSL for: more than a record holds (16 KiB), so a read returns a whole
+#: record; what OpenSSL still holds decrypted (``pending()``) is read on the next turn of the loop.
+TLS_READ_SIZE = 64 * 1024
 #: Unread input discarded before a close, so that the kernel ends the connection with FIN, after
 #: the last reply, rather than with a reset that can destroy it (a client that sent an overlong line).
 DRAIN_AT_CLOSE = 1024 * 1024
@@ -55,19 +64,44 @@ _ACCEPT_PAUSE_ERRNOS = {errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM}
 
 class PySocketCore:
     """The reference read and write of :class:`SocketTransport` (``_speedups.SocketCore`` is the
-    compiled twin: the same steps in C)."""
+    compiled twin: the same steps in C).
 
-    __slots__ = ("_closing", "_data_received", "_fd", "_pending")
+    On a TLS connection ``_tls`` is the connection's OpenSSL object (the ``SSLSocket``'s ``_sslobj``,
+    with ``read``, ``write`` and ``pending``): the read is its ``read`` (one record decrypted, at most
+    ``_tls_read_size`` bytes), the write its ``write``; what they raise goes to the transport's
+    ``_tls_failed`` (a read) or ``_tls_write_failed`` (a write), which decide in Python."""
+
+    __slots__ = ("_closing", "_data_received", "_fd", "_pending", "_tls", "_tls_partial", "_tls_read_size")
 
     _fd: int
     _sock: socket.socket  # the subclass's
     _pending: bool
     _closing: bool
     _data_received: Any
+    _tls: Any
+    _tls_partial: bool
+    _tls_read_size: int
 
     def _readable(self) -> None:
         """The loop's reader callback: one read, handed to the protocol."""
         if self._closing or self._data_received is None:
+            return
+        tls = self._tls
+        if tls is not None:
+            try:
+                data = tls.read(self._tls_read_size)
+            except OSError as exc:  # SSLError and its kinds are OSErrors
+                self._tls_failed(exc)
+                return
+            if data:
+                self._tls_partial = False
+                self._data_received(data)
+                # A read that got less than it asked for emptied OpenSSL's record: nothing is pending.
+                full = len(data) == self._tls_read_size
+                if full and not self._closing and self._data_received is not None and tls.pending():
+                    self._tls_more()
+            else:
+                self._eof_received()
             return
         try:
             data = self._sock.recv(READ_SIZE)
@@ -90,13 +124,21 @@ class PySocketCore:
             return
         if not data:
             return
-        try:
-            sent = self._sock.send(data)
-        except (BlockingIOError, InterruptedError):
-            sent = 0
-        except OSError as exc:
-            self._fatal(exc.errno or errno.EIO)
-            return
+        tls = self._tls
+        if tls is not None:
+            try:
+                sent = tls.write(data)
+            except OSError as exc:
+                self._tls_write_failed(exc, data)
+                return
+        else:
+            try:
+                sent = self._sock.send(data)
+            except (BlockingIOError, InterruptedError):
+                sent = 0
+            except OSError as exc:
+                self._fatal(exc.errno or errno.EIO)
+                return
         if sent < len(data):
             self._queue(data[sent:])
 
@@ -110,11 +152,21 @@ class PySocketCore:
     def _fatal(self, err: int) -> None:
         raise NotImplementedError
 
+    def _tls_failed(self, exc: OSError) -> None:
+        raise NotImplementedError
+
+    def _tls_write_failed(self, exc: OSError, data: bytes) -> None:
+        raise NotImplementedError
+
+    def _tls_more(self) -> None:
+        raise NotImplementedError
+
 
 #: True when memcached listeners are served with :class:`SocketTransport` (the compiled hot path runs).
 DIRECT = speedups is not None
 
 _TRANSPORT_SLOTS = (
+    "_aborted",
     "_eof",
     "_extra",
     "_loop",
@@ -127,6 +179,15 @@ _TRANSPORT_SLOTS = (
     "_sock",
     "_writing",
 )
+
+
+_TLS_EXTRA: dict[str, Any] = {
+    "ssl_object": lambda sock: sock,
+    "sslcontext": lambda sock: sock.context,
+    "peercert": lambda sock: sock.getpeercert(),
+    "cipher": lambda sock: sock.cipher(),
+    "compression": lambda sock: sock.compression(),
+}
 
 
 class _Transport:
@@ -156,25 +217,40 @@ class _Transport:
         self._eof = False
         self._lost = False
         self._paused_protocol = False
+        self._aborted = False
         self._extra: dict[str, Any] = {"socket": sock}
+        self._tls = None
+        self._tls_partial = False
+        self._tls_read_size = TLS_READ_SIZE
+        if isinstance(sock, ssl.SSLSocket):
+            # The handshake is done (see TlsHandshake): read and write through OpenSSL's object itself,
+            # what SSLSocket.read and .write call after their Python-level checks.
+            self._tls = sock._sslobj  # type: ignore[attr-defined]
 
     def start(self) -> None:
         """Tell the protocol, then start reading (unless it closed the connection at once)."""
         self._protocol.connection_made(self)
         self._data_received = self._protocol.data_received
         self.resume_reading()
-        if self._reading:
+        if self._reading and self._tls is None:
             # Read at once: a client that connected and already closed (a port probe) is lost now,
             # before the next accepted connection is counted against --max-connections; one that
-            # already sent its first request is answered without waiting for the next poll.
+            # already sent its first request is answered without waiting for the next poll. (Not
+            # over TLS: there a read that finds nothing would look like a record begun.)
             self._readable()
 
     # -- the transport API the connection glue uses ---------------------------------------------------
     def get_extra_info(self, name: str, default: Any = None) -> Any:
-        if name not in self._extra and name in ("peername", "sockname"):
+        """asyncio's names: ``socket``, ``peername``, ``sockname``, and over TLS ``ssl_object`` (the
+        SSLSocket), ``sslcontext``, ``peercert``, ``cipher``, ``compression``, as uvloop gives them."""
+        if name not in self._extra:
+            sock = self._sock
             try:
-                self._extra[name] = self._sock.getpeername() if name == "peername" else self._sock.getsockname()
-            except OSError:
+                if name in ("peername", "sockname"):
+                    self._extra[name] = sock.getpeername() if name == "peername" else sock.getsockname()
+                elif self._tls is not None and name in _TLS_EXTRA:
+                    self._extra[name] = _TLS_EXTRA[name](sock)
+            except (OSError, ValueError):
                 return default
         return self._extra.get(name, default)
 
@@ -191,6 +267,8 @@ class _Transport:
         if not self._reading and not self._closing and not self._eof:
             self._reading = True
             self._loop.add_reader(self._fd, self._readable)
+            if self._tls is not None and self._tls.pending():
+                self._tls_more()  # decrypted while reading was paused: the fd may never be readable for it
 
     def close(self) -> None:
         """Stop reading; close once every queued reply is sent (then ``connection_lost(None)``)."""
@@ -202,9 +280,10 @@ class _Transport:
             self._loop.call_soon(self._connection_lost, None)
 
     def abort(self) -> None:
-        """Close now, dropping what is queued."""
+        """Close now, dropping what is queued (over TLS without a close_notify, as uvloop aborts)."""
         self.pause_reading()
         self._closing = True
+        self._aborted = True
         self._out.clear()
         self._out_size = 0
         self._loop.call_soon(self._connection_lost, None)
@@ -225,11 +304,14 @@ class _Transport:
 
     def _writable(self) -> None:
         out = self._out
+        # Over TLS a write that OpenSSL could not finish (SSLWantWriteError) is retried with the same
+        # bytes, as OpenSSL requires: the chunk stays at the head of the queue until it is all sent.
+        send = self._sock.send if self._tls is None else self._tls.write
         while out:
             chunk = out[0]
             try:
-                sent = self._sock.send(chunk)
-            except (BlockingIOError, InterruptedError):
+                sent = send(chunk)
+            except (BlockingIOError, InterruptedError, ssl.SSLWantWriteError, ssl.SSLWantReadError):
                 return
             except OSError as exc:
                 self._out.clear()
@@ -266,6 +348,40 @@ class _Transport:
         log.debug("connection error: %s", os.strerror(err))
         self.abort()
 
+    # -- TLS: what the core hands back to Python ------------------------------------------------------
+    def _tls_failed(self, exc: OSError) -> None:
+        """A TLS read raised. Want-read: the fd was readable but OpenSSL holds only part of a record,
+        so the request deadline starts (``_tls_partial``; see :mod:`.deadlines`): a record trickled
+        in a byte at a time is closed within --request-timeout, not the idle timeout. The peer's
+        close_notify, or its TCP close without one: end of file. Anything else: a failed connection."""
+        if isinstance(exc, ssl.SSLWantReadError):
+            self._tls_partial = True
+        elif isinstance(exc, ssl.SSLWantWriteError | BlockingIOError | InterruptedError):
+            return
+        elif isinstance(exc, ssl.SSLZeroReturnError | ssl.SSLEOFError):
+            self._eof_received()
+        else:
+            log.debug("TLS connection error: %s", exc)
+            self.abort()
+
+    def _tls_write_failed(self, exc: OSError, data: bytes) -> None:
+        """A TLS write raised: OpenSSL could not send the record now (queued, retried as it is when
+        the fd is writable), or the connection failed."""
+        if isinstance(exc, ssl.SSLWantWriteError | ssl.SSLWantReadError | BlockingIOError | InterruptedError):
+            self._queue(data)
+        else:
+            log.debug("TLS connection error: %s", exc)
+            self.abort()
+
+    def _tls_more(self) -> None:
+        self._loop.call_soon(self._tls_drain)
+
+    def _tls_drain(self) -> None:
+        """Read what OpenSSL holds decrypted (``pending()``), unless reading has stopped meanwhile or
+        the reader callback has read it already (then a read would find nothing: not a record begun)."""
+        if self._reading and not self._closing and self._tls is not None and self._tls.pending():
+            self._readable()
+
     def _connection_lost(self, exc: Exception | None) -> None:
         if self._lost:
             return
@@ -279,10 +395,16 @@ class _Transport:
         try:
             self._protocol.connection_lost(exc)
         finally:
+            if self._tls is not None and not self._aborted:
+                # A graceful close says close_notify (one record, no wait for the peer's): clients
+                # then see a clean end of the stream, as from uvloop's TLS transport.
+                with contextlib.suppress(OSError, ValueError):
+                    self._tls.shutdown()
             drained = 0
+            recv = socket.socket.recv  # (the raw socket's: unread TLS records are not decrypted)
             with contextlib.suppress(OSError):  # BlockingIOError when nothing is left
                 while drained < DRAIN_AT_CLOSE:
-                    chunk = self._sock.recv(65536)
+                    chunk = recv(self._sock, 65536)
                     if not chunk:
                         break
                     drained += len(chunk)
@@ -307,7 +429,8 @@ else:
 
 
 class SocketServer:
-    """Accepts on one listening socket and serves each connection with a :class:`SocketTransport`.
+    """Accepts on one listening socket and serves each connection with a :class:`SocketTransport`;
+    with ``tls_context``, each after its TLS handshake (:class:`TlsHandshake`).
 
     Has the two methods of ``asyncio.Server`` the daemon uses (``close``, ``wait_closed``) and
     ``sockets``."""
@@ -319,9 +442,14 @@ class SocketServer:
         protocol_factory: Any,
         backlog: int,
         transport: type = SocketTransport,
+        tls_context: ssl.SSLContext | None = None,
+        handshake_timeout: float | None = None,
     ) -> None:
         self._loop = loop
         self._transport = transport
+        self._tls_context = tls_context
+        self._handshake_timeout = handshake_timeout
+        self._handshakes: set[TlsHandshake] = set()  # (TlsHandshake adds and removes itself)
         self._sock = sock
         self._factory = protocol_factory
         self._tcp = sock.family in (socket.AF_INET, socket.AF_INET6)
@@ -353,6 +481,10 @@ class SocketServer:
                 conn.setblocking(False)
                 if self._tcp:
                     conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                if self._tls_context is not None:
+                    tls = self._tls_context.wrap_socket(conn, server_side=True, do_handshake_on_connect=False)
+                    TlsHandshake(self, tls, self._handshake_timeout)
+                    continue
                 self._transport(self._loop, conn, self._factory()).start()
             except OSError as exc:  # the client reset the connection at once
                 log.debug("dropped a new connection: %s", exc)
@@ -372,6 +504,8 @@ class SocketServer:
         else:
             self._loop.remove_reader(self._sock.fileno())
         self._sock.close()
+        for handshake in list(self._handshakes):
+            handshake.close()
 
     async def wait_closed(self) -> None:
         return None

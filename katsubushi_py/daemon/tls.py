@@ -7,10 +7,17 @@ are accepted), ``--tls-verify none|request|require`` (``ssl_verify_mode`` 0, 1, 
 speaks TLS; ``--plain-port`` keeps one plain memcached listener on loopback (memcached's ``notls:``
 prefix), and unix sockets stay plain (as in memcached).
 
-How a TLS connection is served: the listener is the loop's own TLS server (``create_server(ssl=...)``,
-asyncio's or uvloop's), with the handshake deadline (``--request-timeout``); the connection glue
-(:class:`~katsubushi_py.daemon.connection.ConnectionHandler`) sees the connection once the handshake
-is done. So:
+How a TLS connection is served: by our own socket transport
+(:class:`~katsubushi_py.daemon.sockets.SocketServer`, compiled or pure, as plain memcached is served
+with the compiled hot path), not by the loop's TLS transport. After ``accept`` the socket is wrapped
+with the listener's context (``SSLSocket``, non-blocking, no handshake yet); :class:`TlsHandshake`
+drives the handshake with the loop's reader and writer callbacks, within the handshake deadline
+(``--request-timeout``); then the transport reads and writes through OpenSSL's object itself (one
+record decrypted per read, what OpenSSL still holds read on the next turn, a write it could not finish
+retried with the same bytes) and the connection glue
+(:class:`~katsubushi_py.daemon.connection.ConnectionHandler`) sees the connection, as a plain one. A
+request costs one decrypting read and one encrypting write, with no memory BIOs, copies or state
+machine of the loop's in between (``bench/RESULTS.md``, "TLS in the socket transport"). So:
 
 - a reload (``SIGHUP``, memcached's ``refresh_certs``) builds new contexts from the files; OpenSSL's
   server-name callback, called early in every handshake, hands each new connection the current one
@@ -18,8 +25,9 @@ is done. So:
   keep the session they have; a bad file leaves the old contexts in place;
 - a handshake that stalls, or garbage instead of one, costs one file descriptor until the deadline
   or OpenSSL's error, never a connection slot (those are taken after the handshake) or a traceback;
-- TLS connections go through the loop's TLS transport (asyncio's or uvloop's), never the compiled
-  socket transport: plain connections keep exactly the path they had.
+- a record that stops half-way (the fd readable, OpenSSL still without a whole record) starts the
+  request deadline (:mod:`.deadlines`), so a record trickled in a byte at a time is closed within
+  --request-timeout, not the idle timeout; plain connections keep exactly the path they had.
 
 gRPC's context offers ALPN ``h2`` (gRPC clients refuse a server that does not select it), HTTP's
 ``http/1.1``; memcached's none.
@@ -35,7 +43,10 @@ import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .sockets import SocketServer
 
 log = logging.getLogger("katsubushi_py")
 
@@ -216,5 +227,79 @@ class TlsServer:
         ]
 
     def server_options(self, kind: str) -> dict[str, Any]:
-        """``loop.create_server``'s TLS arguments for a listener of ``kind``."""
-        return {"ssl": self.listening[kind], "ssl_handshake_timeout": self.handshake_timeout}
+        """:class:`~.sockets.SocketServer`'s TLS arguments for a listener of ``kind``."""
+        return {"tls_context": self.listening[kind], "handshake_timeout": self.handshake_timeout}
+
+
+class TlsHandshake:
+    """A TLS connection's server handshake, driven by the loop's reader and writer callbacks (the
+    socket is an ``SSLSocket`` made with ``do_handshake_on_connect=False``, non-blocking); once done,
+    the connection is served by the server's transport like a plain one. No protocol object exists
+    before that, so a handshake never takes a connection slot; it ends within ``timeout`` (the
+    --request-timeout) or at OpenSSL's first error, closed quietly (a debug line)."""
+
+    __slots__ = ("_fd", "_loop", "_server", "_sock", "_timer", "_waiting")
+
+    def __init__(self, server: SocketServer, sock: ssl.SSLSocket, timeout: float | None) -> None:
+        self._server = server
+        self._loop = server._loop
+        self._sock = sock
+        self._fd = sock.fileno()
+        self._waiting: str | None = None  # "read" or "write": the callback registered
+        self._timer = self._loop.call_later(timeout, self._expired) if timeout else None
+        server._handshakes.add(self)
+        self._step()
+
+    def _step(self) -> None:
+        try:
+            self._sock.do_handshake()
+        except ssl.SSLWantReadError:
+            self._wait("read")
+            return
+        except ssl.SSLWantWriteError:
+            self._wait("write")
+            return
+        except (OSError, ValueError) as exc:  # an SSLError (garbage, a certificate refused), a reset
+            log.debug("TLS handshake failed: %s", exc)
+            self.close()
+            return
+        self._stop()
+        server = self._server
+        try:
+            server._transport(self._loop, self._sock, server._factory()).start()
+        except OSError as exc:  # the client reset the connection at once
+            log.debug("dropped a new connection: %s", exc)
+            self._sock.close()
+
+    def _wait(self, what: str) -> None:
+        if self._waiting == what:
+            return
+        self._unwatch()
+        self._waiting = what
+        if what == "read":
+            self._loop.add_reader(self._fd, self._step)
+        else:
+            self._loop.add_writer(self._fd, self._step)
+
+    def _unwatch(self) -> None:
+        if self._waiting == "read":
+            self._loop.remove_reader(self._fd)
+        elif self._waiting == "write":
+            self._loop.remove_writer(self._fd)
+        self._waiting = None
+
+    def _stop(self) -> None:
+        self._unwatch()
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        self._server._handshakes.discard(self)
+
+    def _expired(self) -> None:
+        self._timer = None
+        log.debug("closing a connection whose TLS handshake did not finish in time")
+        self.close()
+
+    def close(self) -> None:
+        self._stop()
+        self._sock.close()
