@@ -79,6 +79,9 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=10, help="alternating rounds (default 10)")
     parser.add_argument("--renews", type=int, default=2000, help="renews per round and subject (default 2000)")
     parser.add_argument("--no-pin", action="store_true", help="do not pin with taskset")
+    parser.add_argument(
+        "--replica", action="store_true", help="give the redis-server a replica (each renew then WAITs for it)"
+    )
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     subjects = {"this checkout": ROOT}
@@ -88,7 +91,12 @@ def main() -> int:
     samples: dict[str, dict[str, list[float]]] = {name: {"client": [], "redis": []} for name in subjects}
     with tempfile.TemporaryDirectory(prefix="renew-bench-") as work:
         server = start_redis(Path(work) / "redis")
+        replica = None
         try:
+            if args.replica:
+                replica = start_redis(Path(work) / "replica", "--replicaof", "127.0.0.1", str(server.port))
+                while server.client().execute_command("WAIT", 1, 100) != 1:
+                    pass
             if pin:
                 subprocess.run(["taskset", "-pc", "0", str(server.proc.pid)], check=True, capture_output=True)
             client = server.client()
@@ -108,6 +116,8 @@ def main() -> int:
                     samples[name]["client"].append(statistics.median(json.loads(done.stdout)["client_us"]))
                     samples[name]["redis"].append((usec1 - usec0) / max(1, calls1 - calls0))
         finally:
+            if replica is not None:
+                replica.stop()
             server.stop()
     version = subprocess.run(["redis-server", "--version"], capture_output=True, text=True, check=False).stdout.split()[
         2:3
@@ -115,6 +125,7 @@ def main() -> int:
     print(
         f"renew cost: {args.rounds} alternating rounds of {args.renews} renews per subject; redis-server"
         f" {''.join(version)}; {'pinned (Redis CPU 0, subjects CPU 1)' if pin else 'not pinned'}"
+        f"{'; with a replica' if args.replica else ''}"
     )
     print("| subject | client us per renew (median of rounds) | Redis CPU us per script (median of rounds) |")
     print("|---|---:|---:|")

@@ -33,7 +33,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from .nodes import NodeFinder
-from .scripts import REPLICAS_LUA
+from .scripts import COUNTED
 from .target import LeaseError, RedisTarget, released_channel
 from .timings import LeaseTimings, describe
 
@@ -43,9 +43,6 @@ if TYPE_CHECKING:
     from .recovery import LeaseStats
 
 log = logging.getLogger("katsubushi_py")
-
-# How often the replica count is asked for (and after any WAIT that fell short).
-_REPLICA_CHECK_INTERVAL = 60.0
 
 
 class NotSent(ConnectionError):
@@ -69,8 +66,7 @@ class RedisLink:
         self.finder = NodeFinder(target, timeout=max(0.5, timings.renew / 2))
         self.address = ""  # the node the client talks to (host:port), "" before the first connection
         self._fresh = False  # a client not connected yet
-        self._replicas: int | None = None
-        self._replicas_checked = 0.0
+        self._replicas: int | None = None  # the master's replica count at the last counted write
         self._pubsub: Any = None
 
     async def get(self) -> Any:
@@ -119,30 +115,24 @@ class RedisLink:
     async def run(self, script: str, args: list[Any], durable: bool = True) -> tuple[list[Any], str, bool]:
         """Run a script and, with ``durable``, WAIT for the replicas it must reach (see the module's
         docstring): one round trip (the script and the WAIT pipelined on one connection), two when the
-        replica count is asked for. Raises :class:`NotSent` when no connection could be made.
+        master had more replicas at the write than were waited for (a connection's first write, a
+        replica that joined). Raises :class:`NotSent` when no connection could be made.
 
         Returns (result, problem, new_connection): ``problem`` is "" or why the write cannot be counted
         as durable; ``new_connection`` whether it ran on another connection than the last script."""
         client = await self.connected()
         keys = self.keys.all
         wait_ms = int(self.timings.renew * 250)
-        now = time.monotonic()
         fixed = self.target.replica_acks
-        refresh = (
-            durable
-            and fixed is None
-            and (self._replicas is None or now - self._replicas_checked >= _REPLICA_CHECK_INTERVAL)
-        )
-        needed = fixed if fixed is not None else (self._replicas or 0)
+        count = durable and fixed is None  # the script counts the master's replicas itself (COUNTED)
+        waited = fixed if fixed is not None else (self._replicas or 0)
         if fixed is not None:
             self.stats.replicas_expected = fixed
         pipe = client.pipeline(transaction=False)
-        pipe.eval(script, len(keys), *keys, *args)
+        pipe.eval(COUNTED[script] if count else script, len(keys), *keys, *args)
         pipe.execute_command("CLIENT", "ID")
-        if refresh:
-            pipe.eval(REPLICAS_LUA, len(keys), *keys)
-        elif durable and needed:
-            pipe.execute_command("WAIT", needed, wait_ms)
+        if durable and waited:
+            pipe.execute_command("WAIT", waited, wait_ms)
         replies = await pipe.execute()
         self.stats.round_trips += 1
         result = replies[0]
@@ -150,21 +140,19 @@ class RedisLink:
         new_connection, self.connection_id = connection != self.connection_id, connection
         if not durable:
             return result, "", new_connection
-        if refresh:
-            needed = self._replicas = int(replies[2])
-            self._replicas_checked = now
+        acked = int(replies[2]) if waited else 0
+        needed = waited
+        if count:
+            # The replicas the master had when it wrote (read in the same atomic run): what counts. More
+            # than were waited for (a replica joined; the first write on a connection): wait for them all.
+            needed, result = int(result[0]), result[1]
+            self._replicas = needed
             self.stats.replicas_expected = needed
-            if not needed:
-                return result, "", new_connection
-            acked = int(await client.execute_command("WAIT", needed, wait_ms))
-            self.stats.round_trips += 1
-        elif needed:
-            acked = int(replies[2])
-        else:
-            return result, "", new_connection
+            if needed > waited and acked < needed:
+                acked = int(await client.execute_command("WAIT", needed, wait_ms))
+                self.stats.round_trips += 1
         if acked < needed:
             self.stats.replica_ack_failures += 1
-            self._replicas = None  # ask again: the count never drops for that, but it may have grown
             return result, f"only {acked} of {needed} replicas acknowledged it within {wait_ms} ms", new_connection
         return result, "", new_connection
 
