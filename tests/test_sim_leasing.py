@@ -190,7 +190,7 @@ def test_two_masters_soon_after_a_replica_joined_hold() -> None:
     let the old master confirm leases alone. Every lease write now counts the replicas in its own script,
     and the simulation partitions whenever every replica has been seen by one (no longer a minute later).
     The planted old link (``replicas-once-a-minute``) with two masters at any time reproduces the finding
-    of seed 3010 exactly; the residual case it was (no lease write on the master in the 29 ms between the
+    of seed 3010 exactly; the residual case it was (no lease write on the master in the 30 ms between the
     join and the cut) stays outside the conditions (docs/guarantees.md, condition 3)."""
     results = run_seeds([230003, 230004, 230015], 3000)
     assert [r.error for r in results] == [None, None, None], [r.replay() for r in results if r.error]

@@ -9,9 +9,19 @@ connected, recorded in the pool under the master's identity (``REPLICAS_LUA``): 
 disconnects, or a link that is cut, lowers nothing, so a master cut off from its replicas (the old
 master on the wrong side of a partition, while Sentinel promotes a replica) cannot confirm a single
 lease: its daemons stop at their deadline instead of issuing beside the new master's. A new master (a
-promotion, a restart) starts from its own count. The count is asked (pipelined too) on every new
-connection, every minute, and after a ``WAIT`` that fell short. ``replica_acks=N`` in the URL waits for
-exactly N instead (0: none), as Redis's own ``min-replicas-to-write`` does.
+promotion, a restart) starts from its own count.
+
+**The count is read by the write itself**: the acquire and renew scripts run as ``COUNTED`` versions
+that read ``connected_slaves`` after their write, in the same atomic run, record it, and return the
+count with their reply; the ``WAIT`` pipelined with the script waits for the count the last write
+returned, and a write whose own count is higher (a replica joined since; the first write on a
+connection) waits again for all of them (a second round trip) before it counts. So a write is never
+counted as acknowledged by fewer replicas than the master had when it was written, and a replica is
+waited for from the first lease write that sees it connected (before issue 23's fix: within a minute,
+and a partition in that minute left the old master confirming leases alone). What remains: a replica
+that joins a master and is cut off from it before any lease write ran there was never counted (Redis's
+``min-replicas-to-write`` closes that; docs/leasing.md). ``replica_acks=N`` in the URL waits for
+exactly N instead (0: none) and skips the count, as Redis's own ``min-replicas-to-write`` does.
 
 What that buys: every write the keeper counted is on every replica that master had, so whichever of
 them is promoted holds every confirmed lease and renew; a write that was not acknowledged was never
