@@ -68,6 +68,64 @@ asyncio.run(main(sys.argv[1], sys.argv[2], int(sys.argv[3])))
 """
 
 
+# ``--count-cost``: one keeper, one lease, alternating blocks of renews that read the replica count in
+# their script (the default) and that do not (``replica_acks=0`` skips it): what the count costs Redis,
+# without a second checkout and without the noise between two processes. Prints JSON.
+COUNT_DRIVER = r"""
+import asyncio, dataclasses, json, sys, time
+import redis
+from katsubushi_py.issuing.generator import Generator
+from katsubushi_py.leasing import LeaseTimings, parse_redis_url
+from katsubushi_py.leasing.keeper import LeaseKeeper, init_pool
+
+async def main(url, ns, blocks):
+    target = parse_redis_url(f"{url}?ns={ns}")
+    await init_pool(target, 1, 1023)
+    keeper = LeaseKeeper(target, LeaseTimings(30, 10, 20), 1, 1023, skew_max=5)
+    generator = Generator(1, allow_worker_id_change=True)
+    keeper.generator = generator
+    keeper._take(*await keeper.acquire())
+    stats = redis.Redis.from_url(url)
+    plain = dataclasses.replace(target, replica_acks=0)
+    out = {"counted": [], "plain": []}
+    for block in range(blocks):
+        for name in ("counted", "plain") if block % 2 == 0 else ("plain", "counted"):
+            keeper.link.target = target if name == "counted" else plain
+            before = stats.info("commandstats")["cmdstat_eval"]
+            for _ in range(100):
+                local = generator.now_ms()
+                sent = time.monotonic()
+                outcome = await keeper.renew(local + 30_000, local)
+                keeper.holding.renewed(sent, time.monotonic(), outcome)
+            after = stats.info("commandstats")["cmdstat_eval"]
+            out[name].append((after["usec"] - before["usec"]) / (after["calls"] - before["calls"]))
+    print(json.dumps(out))
+
+asyncio.run(main(sys.argv[1], sys.argv[2], int(sys.argv[3])))
+"""
+
+
+def count_cost(url: str, blocks: int, pin: bool) -> None:
+    command = [sys.executable, "-c", COUNT_DRIVER, url, "countcost", str(blocks)]
+    if pin:
+        command = ["taskset", "-c", "1", *command]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    done = subprocess.run(command, capture_output=True, text=True, env=env, check=False)
+    if done.returncode != 0:
+        raise SystemExit(done.stderr[-2000:])
+    out = json.loads(done.stdout)
+    counted, plain = out["counted"], out["plain"]
+    ratios = [a / b for a, b in zip(counted, plain, strict=True)]
+    diffs = [a - b for a, b in zip(counted, plain, strict=True)]
+    print(f"the replica count's cost: {blocks} alternating blocks of 100 renews of one lease, Redis CPU us per eval")
+    print("| renew | median | lowest block |")
+    print("|---|---:|---:|")
+    print(f"| counted (the default) | {statistics.median(counted):.1f} | {min(counted):.1f} |")
+    print(f"| plain (replica_acks=0) | {statistics.median(plain):.1f} | {min(plain):.1f} |")
+    print(f"| difference (median of per-block differences) | {statistics.median(diffs):.1f} | |")
+    print(f"| ratio (median of per-block ratios) | {statistics.median(ratios):.2f} | |")
+
+
 def eval_stats(client) -> tuple[int, int]:  # type: ignore[no-untyped-def]
     stats = client.info("commandstats").get("cmdstat_eval", {"calls": 0, "usec": 0})
     return int(stats["calls"]), int(stats["usec"])
@@ -83,6 +141,9 @@ def main() -> int:
         "--replica", action="store_true", help="give the redis-server a replica (each renew then WAITs for it)"
     )
     parser.add_argument("--json", type=Path)
+    parser.add_argument(
+        "--count-cost", type=int, metavar="BLOCKS", help="measure only what the replica count costs (see COUNT_DRIVER)"
+    )
     args = parser.parse_args()
     subjects = {"this checkout": ROOT}
     if args.baseline:
@@ -100,6 +161,9 @@ def main() -> int:
             if pin:
                 subprocess.run(["taskset", "-pc", "0", str(server.proc.pid)], check=True, capture_output=True)
             client = server.client()
+            if args.count_cost:
+                count_cost(server.url, args.count_cost, pin)
+                return 0
             for round_no in range(args.rounds):
                 order = list(subjects) if round_no % 2 == 0 else list(reversed(subjects))
                 for name in order:
