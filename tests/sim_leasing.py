@@ -33,8 +33,9 @@ failover, two masters) play out one at a time.
 **Inside the documented conditions** (docs/guarantees.md), which two guards keep the faults within:
 hosts sync to true time, and a daemon does not start while its host's clock and Redis's are off
 together (the guarantees assume every daemon's clock within the skew of true time); two masters happen
-only once the daemons have counted every replica of the master (they ask once a minute in production,
-every 3 ttl here). ``--known-gaps`` lifts both: runs then find the gaps.
+at any time except while the master has a replica that no lease write has seen connected since it
+joined (every lease write counts the replicas; a replica cut off before any did is the residual case of
+condition 3). ``--known-gaps`` lifts both: runs may then find the gaps.
 
 **Invariants**, checked after every step (a failure stops the world, prints the seed and the command
 that replays it):

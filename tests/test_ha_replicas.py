@@ -1,10 +1,11 @@
 """What a lease write waits for (issue 24), and the URLs that name a highly available Redis.
 
 A write counts only once every replica the master has had since it last started or was promoted has
-acknowledged it (``REPLICAS_LUA`` records the count in the pool under the master's identity): a
-replica that vanishes lowers nothing. Shown here rule by rule against real redis-servers, then as the
-fault it is for: two masters at once (the old one cut off from its replica, which was promoted), with
-daemons on each side and every ID recorded.
+acknowledged it (the count is recorded in the pool under the master's identity, and read by every
+lease write in its own script): a replica that vanishes lowers nothing. Shown here rule by rule against
+real redis-servers, then as the fault it is for: two masters at once (the old one cut off from its
+replica, which was promoted), with daemons on each side and every ID recorded, also seconds after the
+replica joined.
 """
 
 from __future__ import annotations
