@@ -21,8 +21,8 @@ from id_recorder import Recorder
 from lease_helpers import init_pool, run_tool, stats, wait_serving, wait_until
 from redis_servers import RedisServer, start_redis
 
-from katsubushi_py.leasing import LeaseError, parse_redis_url
-from katsubushi_py.leasing.scripts import REPLICAS_LUA
+from katsubushi_py.leasing import LeaseError, parse_redis_url, scripts
+from katsubushi_py.leasing.scripts import REPLICAS_LUA, counted
 
 KEYS = [f"{{t}}:{name}" for name in ("ids", "owners", "last_ms", "released", "stats", "pool")]
 FAST = ("--repl-diskless-sync-delay", "0")
@@ -117,6 +117,24 @@ def test_a_promoted_replica_counts_its_own(pair: tuple[RedisServer, RedisServer]
     wait_until(lambda: replica.client().hget(KEYS[5], "replicas") == b"1", timeout=5)
     replica.client().execute_command("REPLICAOF", "NO", "ONE")  # a failover: a new master_replid
     assert expected(replica) == 0
+
+
+def test_every_lease_write_counts_the_replicas_in_its_own_run(pair: tuple[RedisServer, RedisServer]) -> None:
+    """A counted script returns {count, its reply}: the count read after its write, recorded; a write on a
+    connection that wrote before trusts a record under this master's replication id, a connection's
+    first write compares the whole identity (a restart that kept the replication id starts afresh)."""
+    master, _ = pair
+    init_pool(master.url, "t", 1, 4)
+    client = master.client()
+    write = counted(scripts._NOW + scripts._HELPERS + "redis.call('HINCRBY', KEYS[5], 'w', 1)\nreturn {7}\n")
+    assert client.eval(write, len(KEYS), *KEYS, "0") == [1, [7]]
+    assert client.hget(KEYS[4], "w") == b"1" and client.hget(KEYS[5], "replicas") == b"1"
+    replid = client.info("replication")["master_replid"]
+    client.hset(KEYS[5], mapping={"replicas_under": f"another-run/{replid}", "replicas": 3})
+    assert client.eval(write, len(KEYS), *KEYS, "0") == [3, [7]]  # never fewer than recorded
+    assert client.eval(write, len(KEYS), *KEYS, "1") == [1, [7]]  # another process: its own count
+    assert client.hget(KEYS[5], "replicas_under").decode().endswith(replid)
+    assert client.hget(KEYS[5], "replicas") == b"1"
 
 
 # -- two masters at once ---------------------------------------------------------------------------

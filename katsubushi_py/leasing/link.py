@@ -77,6 +77,7 @@ class RedisLink:
         self.address = ""  # the node the client talks to (host:port), "" before the first connection
         self._fresh = False  # a client not connected yet
         self._replicas: int | None = None  # the master's replica count at the last counted write
+        self._whole = True  # the next count compares the master's whole identity (a new connection)
         self._pubsub: Any = None
 
     async def get(self) -> Any:
@@ -84,6 +85,7 @@ class RedisLink:
             self.client, address = await self.finder.connect()
             self._fresh = True
             self._replicas = None  # a new connection may be a new master: ask again
+            self._whole = True
             if address != self.address:
                 if self.address:
                     self.stats.master_changes += 1
@@ -139,7 +141,11 @@ class RedisLink:
         if fixed is not None:
             self.stats.replicas_expected = fixed
         pipe = client.pipeline(transaction=False)
-        pipe.eval(COUNTED[script] if count else script, len(keys), *keys, *args)
+        whole = count and self._whole  # on a connection's first write (see scripts.counted)
+        if count:
+            pipe.eval(COUNTED[script], len(keys), *keys, *args, "1" if whole else "0")
+        else:
+            pipe.eval(script, len(keys), *keys, *args)
         pipe.execute_command("CLIENT", "ID")
         if durable and waited:
             pipe.execute_command("WAIT", waited, wait_ms)
@@ -148,6 +154,10 @@ class RedisLink:
         result = replies[0]
         connection = int(replies[1])
         new_connection, self.connection_id = connection != self.connection_id, connection
+        if whole:
+            self._whole = False
+        if new_connection and not whole:
+            self._whole = True  # reconnected under the client (perhaps to another process)
         if not durable:
             return result, "", new_connection
         acked = int(replies[2]) if waited else 0

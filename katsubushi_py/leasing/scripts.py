@@ -436,9 +436,10 @@ return {change, now, tonumber(cur[1] or '0'), tonumber(cur[2] or '0')}
 # (run_id/master_replid), so a daemon that connects to a master later, or again, knows it too: a master
 # cut off from its replicas (connected_slaves 0) is still waited on for them. A new identity (a
 # restart, a promotion) starts from its own count. ``full`` false (a lease write's own count, after its
-# write) skips the identity's INFO server when there is nothing to record: the record is under this
-# master_replid and counts at least the replicas connected now (a record left by an earlier process
-# that kept its replication id counts at least as many: waiting for more is never unsafe).
+# write, on a connection that has written before) skips the identity's INFO server when there is
+# nothing to record: the record is under this master_replid and counts at least the replicas connected
+# now. Only a process that kept another's replication id (a restart that kept it) could share the
+# record; a new process means a new connection, whose first write compares the whole identity.
 _REPLICA_COUNT = """
 local function replica_count(full)
   local r = redis.call('INFO', 'replication')
@@ -471,7 +472,9 @@ def counted(script: str) -> str:
     """``script`` as a lease write that counts the master's replicas in the same atomic run, after its
     write: the reply is ``{count, the script's reply}``, and link.py waits for ``count`` replicas. So a
     write is never counted as acknowledged by fewer replicas than the master had when it was written,
-    and a replica the write saw is recorded for every later write on that master (see link.py)."""
+    and a replica the write saw is recorded for every later write on that master (see link.py). One
+    more ARGV, after the script's own: '1' to compare the master's whole identity (a connection's
+    first write), '0' otherwise."""
     prefix = _NOW + _HELPERS
     if not script.startswith(prefix):
         raise ValueError("only a lease script (TIME and the helpers first) can be counted")
@@ -481,7 +484,7 @@ def counted(script: str) -> str:
         + _REPLICA_COUNT
         + "local function lease_write()\n"
         + body
-        + "\nend\nlocal reply = lease_write()\nreturn {replica_count(false), reply}\n"
+        + "\nend\nlocal reply = lease_write()\nreturn {replica_count(ARGV[#ARGV] == '1'), reply}\n"
     )
 
 
