@@ -68,6 +68,64 @@ asyncio.run(main(sys.argv[1], sys.argv[2], int(sys.argv[3])))
 """
 
 
+# ``--count-cost``: one keeper, one lease, alternating blocks of renews that read the replica count in
+# their script (the default) and that do not (``replica_acks=0`` skips it): what the count costs Redis,
+# without a second checkout and without the noise between two processes. Prints JSON.
+COUNT_DRIVER = r"""
+import asyncio, dataclasses, json, sys, time
+import redis
+from katsubushi_py.issuing.generator import Generator
+from katsubushi_py.leasing import LeaseTimings, parse_redis_url
+from katsubushi_py.leasing.keeper import LeaseKeeper, init_pool
+
+async def main(url, ns, blocks):
+    target = parse_redis_url(f"{url}?ns={ns}")
+    await init_pool(target, 1, 1023)
+    keeper = LeaseKeeper(target, LeaseTimings(30, 10, 20), 1, 1023, skew_max=5)
+    generator = Generator(1, allow_worker_id_change=True)
+    keeper.generator = generator
+    keeper._take(*await keeper.acquire())
+    stats = redis.Redis.from_url(url)
+    plain = dataclasses.replace(target, replica_acks=0)
+    out = {"counted": [], "plain": []}
+    for block in range(blocks):
+        for name in ("counted", "plain") if block % 2 == 0 else ("plain", "counted"):
+            keeper.link.target = target if name == "counted" else plain
+            before = stats.info("commandstats")["cmdstat_eval"]
+            for _ in range(100):
+                local = generator.now_ms()
+                sent = time.monotonic()
+                outcome = await keeper.renew(local + 30_000, local)
+                keeper.holding.renewed(sent, time.monotonic(), outcome)
+            after = stats.info("commandstats")["cmdstat_eval"]
+            out[name].append((after["usec"] - before["usec"]) / (after["calls"] - before["calls"]))
+    print(json.dumps(out))
+
+asyncio.run(main(sys.argv[1], sys.argv[2], int(sys.argv[3])))
+"""
+
+
+def count_cost(url: str, blocks: int, pin: bool) -> None:
+    command = [sys.executable, "-c", COUNT_DRIVER, url, "countcost", str(blocks)]
+    if pin:
+        command = ["taskset", "-c", "1", *command]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    done = subprocess.run(command, capture_output=True, text=True, env=env, check=False)
+    if done.returncode != 0:
+        raise SystemExit(done.stderr[-2000:])
+    out = json.loads(done.stdout)
+    counted, plain = out["counted"], out["plain"]
+    ratios = [a / b for a, b in zip(counted, plain, strict=True)]
+    diffs = [a - b for a, b in zip(counted, plain, strict=True)]
+    print(f"the replica count's cost: {blocks} alternating blocks of 100 renews of one lease, Redis CPU us per eval")
+    print("| renew | median | lowest block |")
+    print("|---|---:|---:|")
+    print(f"| counted (the default) | {statistics.median(counted):.1f} | {min(counted):.1f} |")
+    print(f"| plain (replica_acks=0) | {statistics.median(plain):.1f} | {min(plain):.1f} |")
+    print(f"| difference (median of per-block differences) | {statistics.median(diffs):.1f} | |")
+    print(f"| ratio (median of per-block ratios) | {statistics.median(ratios):.2f} | |")
+
+
 def eval_stats(client) -> tuple[int, int]:  # type: ignore[no-untyped-def]
     stats = client.info("commandstats").get("cmdstat_eval", {"calls": 0, "usec": 0})
     return int(stats["calls"]), int(stats["usec"])
@@ -79,7 +137,13 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=10, help="alternating rounds (default 10)")
     parser.add_argument("--renews", type=int, default=2000, help="renews per round and subject (default 2000)")
     parser.add_argument("--no-pin", action="store_true", help="do not pin with taskset")
+    parser.add_argument(
+        "--replica", action="store_true", help="give the redis-server a replica (each renew then WAITs for it)"
+    )
     parser.add_argument("--json", type=Path)
+    parser.add_argument(
+        "--count-cost", type=int, metavar="BLOCKS", help="measure only what the replica count costs (see COUNT_DRIVER)"
+    )
     args = parser.parse_args()
     subjects = {"this checkout": ROOT}
     if args.baseline:
@@ -88,10 +152,18 @@ def main() -> int:
     samples: dict[str, dict[str, list[float]]] = {name: {"client": [], "redis": []} for name in subjects}
     with tempfile.TemporaryDirectory(prefix="renew-bench-") as work:
         server = start_redis(Path(work) / "redis")
+        replica = None
         try:
+            if args.replica:
+                replica = start_redis(Path(work) / "replica", "--replicaof", "127.0.0.1", str(server.port))
+                while server.client().execute_command("WAIT", 1, 100) != 1:
+                    pass
             if pin:
                 subprocess.run(["taskset", "-pc", "0", str(server.proc.pid)], check=True, capture_output=True)
             client = server.client()
+            if args.count_cost:
+                count_cost(server.url, args.count_cost, pin)
+                return 0
             for round_no in range(args.rounds):
                 order = list(subjects) if round_no % 2 == 0 else list(reversed(subjects))
                 for name in order:
@@ -108,6 +180,8 @@ def main() -> int:
                     samples[name]["client"].append(statistics.median(json.loads(done.stdout)["client_us"]))
                     samples[name]["redis"].append((usec1 - usec0) / max(1, calls1 - calls0))
         finally:
+            if replica is not None:
+                replica.stop()
             server.stop()
     version = subprocess.run(["redis-server", "--version"], capture_output=True, text=True, check=False).stdout.split()[
         2:3
@@ -115,6 +189,7 @@ def main() -> int:
     print(
         f"renew cost: {args.rounds} alternating rounds of {args.renews} renews per subject; redis-server"
         f" {''.join(version)}; {'pinned (Redis CPU 0, subjects CPU 1)' if pin else 'not pinned'}"
+        f"{'; with a replica' if args.replica else ''}"
     )
     print("| subject | client us per renew (median of rounds) | Redis CPU us per script (median of rounds) |")
     print("|---|---:|---:|")

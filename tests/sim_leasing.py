@@ -35,9 +35,10 @@ clocks may be off true time together (a host synced to the Redis host's clock, o
 daemon passing the clock check with IDs that far off) except across a loss of Redis's data: a restart
 that loses data or a failover happens only while no running daemon's clock and no ID issued is off true
 time by more than the skew, and until a script has seen the loss no daemon starts on a host whose clock
-is (:meth:`Simulation.clocks_off_for_a_loss`); two masters happen only once the daemons have counted
-every replica of the master (they ask once a minute in production, every 3 ttl here).
-``--known-gaps`` lifts both: runs then find the gaps.
+is (:meth:`Simulation.clocks_off_for_a_loss`); two masters happen at any time except while the master
+has a replica that no lease write has seen connected since it joined (every lease write counts the
+replicas; a replica cut off before any did is the residual case of condition 3).
+``--known-gaps`` lifts both: runs may then find the gaps.
 
 **Invariants**, checked after every step (a failure stops the world, prints the seed and the command
 that replays it):
@@ -66,6 +67,7 @@ import contextvars
 import hashlib
 import importlib
 import logging
+import math
 import os
 import pkgutil
 import random
@@ -90,7 +92,8 @@ from katsubushi_py.issuing.generator import Generator
 from katsubushi_py.leasing import keeper as keeper_module
 from katsubushi_py.leasing import link as link_module
 from katsubushi_py.leasing.keeper import LeaseKeeper, LeaseTimings
-from katsubushi_py.leasing.scripts import INIT_LUA
+from katsubushi_py.leasing.link import RedisLink
+from katsubushi_py.leasing.scripts import INIT_LUA, REPLICAS_LUA
 from katsubushi_py.leasing.target import LeaseError, RedisTarget
 
 BASE_UNIX = 1_795_305_600.0  # true time 0: 2026-11-22T00:00:00Z
@@ -119,12 +122,6 @@ class Config:
     @property
     def timings(self) -> LeaseTimings:
         return LeaseTimings(ttl=self.ttl, renew=self.ttl / 3, delay=2 * self.ttl / 3)
-
-    @property
-    def replica_recount(self) -> float:
-        """How often the daemons ask a master for its replica count: 60 s in production, 3 ttl here (the
-        rule is the same; a shorter interval reaches two-masters faults more often)."""
-        return 3 * self.ttl
 
     @property
     def recovery(self) -> float:
@@ -300,19 +297,14 @@ class Faults:
         sim, config = self.sim, self.sim.config
         redis = sim.redis
         master = redis.master
-        has_replicas = master is not None and any(
-            n.role == "replica" and n.up and n.master is master for n in redis.nodes
-        )
+        master_replicas = [n for n in redis.nodes if n.role == "replica" and n.up and n.master is master]
+        has_replicas = master is not None and bool(master_replicas)
         topology = master is not None and master.up and redis.partitioned is None and self.topology_busy is None
-        if master is not None and not sim.known_gaps:
-            # A replica is waited for once the daemons have counted it, within a minute of its joining
-            # (docs/leasing.md; here within Config.replica_recount); two masters before that are the known
-            # gap (--known-gaps).
-            settled = config.replica_recount + 2 * config.ttl
-            if any(sim.loop.now - master.joined.get(n.name, sim.loop.now) < settled for n in master.replicas):
-                has_two_masters_replicas = False
-            else:
-                has_two_masters_replicas = has_replicas
+        # Every lease write counts the master's replicas (docs/leasing.md): a replica is waited for from
+        # the first lease write that sees it connected. Two masters before any has (a replica that joined,
+        # cut off before a lease write on that master) are the residual gap (--known-gaps).
+        if master is not None and not sim.known_gaps and any(r.name not in master.counted for r in master_replicas):
+            has_two_masters_replicas = False
         else:
             has_two_masters_replicas = has_replicas
         w = {
@@ -572,6 +564,12 @@ class Faults:
         if old is None or not replicas:
             return
         chosen = rng.choice(replicas)
+        # Figures: two masters soon after a replica joined (inside the minute the daemons once took to
+        # count it: 3 ttl in the simulation, plus 2 ttl), and with a replica no lease write had counted.
+        if any(sim.loop.now - old.joined.get(r.name, -math.inf) < 5 * sim.config.ttl for r in replicas):
+            sim.stats["two_masters_soon_after_a_replica_joined"] += 1
+        if any(r.name not in old.counted for r in replicas):
+            sim.stats["two_masters_with_an_uncounted_replica"] += 1
         for replica in replicas:
             replica.link_up = False
         stuck = [p for h in sim.hosts if (p := h.process) is not None and p.live and rng.random() < 0.5]
@@ -1069,7 +1067,6 @@ def simulated_leasing(sim: Simulation) -> Iterator[None]:
         sim.epochs += 1
         return f"epoch-{sim.seed}-{sim.epochs}"
 
-    patch(link_module, "_REPLICA_CHECK_INTERVAL", sim.config.replica_recount)
     patch(keeper_module, "new_token", token)
     patch(keeper_module, "new_epoch", epoch)
     state = random.getstate()
@@ -1110,7 +1107,8 @@ def planted_bug(name: str | None) -> Iterator[None]:
     """Break the production code on purpose, to show the simulation finds the break: ``no-fence`` (the
     generator ignores its lease deadline: a daemon paused or cut off past its lease keeps issuing),
     ``wall-clock-check`` (the start-up clock check reads the wall clock as it is now, not the generator's
-    clock: the bug seed 1 found, fixed in keeper.check_clock)."""
+    clock: the bug seed 1 found, fixed in keeper.check_clock), ``replicas-once-a-minute`` (the replica
+    count asked once a minute, not by every lease write: the two-masters window, fixed in link.py)."""
     global _PLANTED
     if name is None:
         yield
@@ -1158,10 +1156,59 @@ def _plant(name: str) -> Iterator[None]:
         finally:
             LeaseKeeper.check_clock = check  # type: ignore[method-assign]
         return
+    if name == "replicas-once-a-minute":
+        run = RedisLink.run
+        RedisLink.run = _run_counting_once_a_minute  # type: ignore[method-assign]
+        try:
+            yield
+        finally:
+            RedisLink.run = run  # type: ignore[method-assign]
+        return
     raise ValueError(f"no planted bug called {name!r}: {', '.join(PLANTED_BUGS)}")
 
 
-PLANTED_BUGS = ("no-fence", "wall-clock-check")
+async def _run_counting_once_a_minute(
+    self: RedisLink, script: str, args: list[Any], durable: bool = True
+) -> tuple[list[Any], str, bool]:
+    """``RedisLink.run`` before the two-masters window was closed (issue 23): the replica count asked
+    (``REPLICAS_LUA``) on a new connection and then once a minute (3 ttl here, as the simulation had
+    it), not by every lease write."""
+    client = await self.connected()
+    keys, wait_ms, now = self.keys.all, int(self.timings.renew * 250), link_module.time.monotonic()
+    fixed = self.target.replica_acks
+    asked = getattr(self, "_asked", -math.inf)
+    refresh = durable and fixed is None and (self._replicas is None or now - asked >= 3 * self.timings.ttl)
+    needed = fixed if fixed is not None else (self._replicas or 0)
+    pipe = client.pipeline(transaction=False)
+    pipe.eval(script, len(keys), *keys, *args)
+    pipe.execute_command("CLIENT", "ID")
+    if refresh:
+        pipe.eval(REPLICAS_LUA, len(keys), *keys)
+    elif durable and needed:
+        pipe.execute_command("WAIT", needed, wait_ms)
+    replies = await pipe.execute()
+    self.stats.round_trips += 1
+    result, connection = replies[0], int(replies[1])
+    new_connection, self.connection_id = connection != self.connection_id, connection
+    if not durable:
+        return result, "", new_connection
+    if refresh:
+        needed = self._replicas = int(replies[2])
+        self._asked = now  # type: ignore[attr-defined]
+        if not needed:
+            return result, "", new_connection
+        acked = int(await client.execute_command("WAIT", needed, wait_ms))
+    elif needed:
+        acked = int(replies[2])
+    else:
+        return result, "", new_connection
+    if acked < needed:
+        self._replicas = None
+        return result, f"only {acked} of {needed} replicas acknowledged it within {wait_ms} ms", new_connection
+    return result, "", new_connection
+
+
+PLANTED_BUGS = ("no-fence", "wall-clock-check", "replicas-once-a-minute")
 
 
 # -- running worlds ------------------------------------------------------------------------------------

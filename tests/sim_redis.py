@@ -42,7 +42,16 @@ from sim_loop import ROOT, VirtualLoop
 
 from katsubushi_py.leasing import scripts as lease_scripts
 
-SCRIPT_NAMES = ("INIT_LUA", "ACQUIRE_LUA", "RENEW_LUA", "RELEASE_LUA", "IDENTITY_LUA", "REPLICAS_LUA")
+SCRIPT_NAMES = (
+    "INIT_LUA",
+    "ACQUIRE_LUA",
+    "RENEW_LUA",
+    "RELEASE_LUA",
+    "IDENTITY_LUA",
+    "REPLICAS_LUA",
+    "ACQUIRE_COUNTED_LUA",
+    "RENEW_COUNTED_LUA",
+)
 ENV_KEY = "sim:env"
 # The scripts' only reads of their environment, and what the simulation reads instead.
 SUBSTITUTIONS = (
@@ -138,8 +147,10 @@ class Node:
     link_up: bool = True
     applied: int = 0
     slow: bool = False  # applies writes after up to a second and a half, not in a millisecond
-    # As a master: when each replica first attached since this node became master (started, promoted).
+    # As a master: when each replica first attached since this node became master (started, promoted),
+    # and the replicas a lease write's replica count (``replica_count`` in the scripts) has seen connected.
     joined: dict[str, float] = field(default_factory=dict)
+    counted: set[str] = field(default_factory=set)
 
     @property
     def address(self) -> str:
@@ -306,6 +317,7 @@ class RedisWorld:
         if node.role == "master":
             node.replid = self.hex_id()
             node.joined = {}
+            node.counted = set()
             node.index = 0
             node.history = [(self.loop.now, 0, dumps)]
             for replica in list(node.replicas):
@@ -327,6 +339,7 @@ class RedisWorld:
         replica.history = [(self.loop.now, 0, self.read(replica))]
         replica.replicas = []
         replica.joined = {}
+        replica.counted = set()
         for other in self.nodes:
             if other is not replica and other.role == "replica" and other.up and other.master is old:
                 if old is not None and other in old.replicas:
@@ -359,6 +372,8 @@ class RedisWorld:
         replies = pipe.execute(raise_on_error=False)
         self.scripts += 1
         result = replies[1]
+        if node.role == "master" and "replica_count(" in text:  # a lease write's count, or REPLICAS_LUA
+            node.counted.update(r.name for r in node.connected_replicas())
         if isinstance(result, Exception):
             name = next(n for n in SCRIPT_NAMES if getattr(lease_scripts, n) == text)
             self.script_errors.append(f"{name} on {node.name} at {self.loop.now:.3f}: {result}")

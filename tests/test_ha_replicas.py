@@ -1,10 +1,11 @@
 """What a lease write waits for (issue 24), and the URLs that name a highly available Redis.
 
 A write counts only once every replica the master has had since it last started or was promoted has
-acknowledged it (``REPLICAS_LUA`` records the count in the pool under the master's identity): a
-replica that vanishes lowers nothing. Shown here rule by rule against real redis-servers, then as the
-fault it is for: two masters at once (the old one cut off from its replica, which was promoted), with
-daemons on each side and every ID recorded.
+acknowledged it (the count is recorded in the pool under the master's identity, and read by every
+lease write in its own script): a replica that vanishes lowers nothing. Shown here rule by rule against
+real redis-servers, then as the fault it is for: two masters at once (the old one cut off from its
+replica, which was promoted), with daemons on each side and every ID recorded, also seconds after the
+replica joined.
 """
 
 from __future__ import annotations
@@ -20,8 +21,8 @@ from id_recorder import Recorder
 from lease_helpers import init_pool, run_tool, stats, wait_serving, wait_until
 from redis_servers import RedisServer, start_redis
 
-from katsubushi_py.leasing import LeaseError, parse_redis_url
-from katsubushi_py.leasing.scripts import REPLICAS_LUA
+from katsubushi_py.leasing import LeaseError, parse_redis_url, scripts
+from katsubushi_py.leasing.scripts import REPLICAS_LUA, counted
 
 KEYS = [f"{{t}}:{name}" for name in ("ids", "owners", "last_ms", "released", "stats", "pool")]
 FAST = ("--repl-diskless-sync-delay", "0")
@@ -118,6 +119,24 @@ def test_a_promoted_replica_counts_its_own(pair: tuple[RedisServer, RedisServer]
     assert expected(replica) == 0
 
 
+def test_every_lease_write_counts_the_replicas_in_its_own_run(pair: tuple[RedisServer, RedisServer]) -> None:
+    """A counted script returns {count, its reply}: the count read after its write, recorded; a write on a
+    connection that wrote before trusts a record under this master's replication id, a connection's
+    first write compares the whole identity (a restart that kept the replication id starts afresh)."""
+    master, _ = pair
+    init_pool(master.url, "t", 1, 4)
+    client = master.client()
+    write = counted(scripts._NOW + scripts._HELPERS + "redis.call('HINCRBY', KEYS[5], 'w', 1)\nreturn {7}\n")
+    assert client.eval(write, len(KEYS), *KEYS, "0") == [1, [7]]
+    assert client.hget(KEYS[4], "w") == b"1" and client.hget(KEYS[5], "replicas") == b"1"
+    replid = client.info("replication")["master_replid"]
+    client.hset(KEYS[5], mapping={"replicas_under": f"another-run/{replid}", "replicas": 3})
+    assert client.eval(write, len(KEYS), *KEYS, "0") == [3, [7]]  # never fewer than recorded
+    assert client.eval(write, len(KEYS), *KEYS, "1") == [1, [7]]  # another process: its own count
+    assert client.hget(KEYS[5], "replicas_under").decode().endswith(replid)
+    assert client.hget(KEYS[5], "replicas") == b"1"
+
+
 # -- two masters at once ---------------------------------------------------------------------------
 @pytest.mark.once
 def test_two_masters_at_once(daemons: DaemonFactory, pair: tuple[RedisServer, RedisServer]) -> None:
@@ -162,3 +181,66 @@ def test_two_masters_at_once(daemons: DaemonFactory, pair: tuple[RedisServer, Re
     assert not recorder.served(1)  # a daemon that comes to the old master knows the replica count from the pool
     assert "replicas acknowledged it" in old_side.stderr()
     assert stats(late)["lease_replicas_expected"] == "1"
+
+
+# -- a replica that joined seconds before the partition -----------------------------------------------
+@pytest.mark.once
+@pytest.mark.parametrize("guard", ["counted", "min-replicas-to-write"])
+def test_two_masters_seconds_after_a_replica_joined(daemons: DaemonFactory, tmp_path: Path, guard: str) -> None:
+    """A master started without replicas, a daemon holding the pool's one id on it; a replica joins, and
+    seconds later (well inside the minute the daemons once took to count a master's replicas again) the
+    master is cut off from it and it is promoted; a daemon on the promoted side leases the same id.
+
+    ``counted``: the holder renews (every second) after the replica joined and before the cut, and that
+    renew counts the replica in its own script: from then on no write on the old master counts without
+    it, and the holder stops at its deadline. Before, the holder had counted 0 replicas at its start and
+    would not ask again for a minute: it went on issuing beside the new side's holder (duplicates).
+    ``min-replicas-to-write``: the residual case, the cut right after the replica synced (no lease
+    write need have seen it), closed by Redis's own ``min-replicas-to-write 1`` on the master: it
+    refuses the writes at once."""
+    master = start_redis(tmp_path / "master", *FAST)
+    replica: RedisServer | None = None
+    timings = ("--lease-ttl", "3s", "--lease-renew", "1s", "--lease-delay", "2s")
+    skew = ("--clock-skew-max", "0.5s", "--clock-skew-warn", "0.5s", "--min-worker-id", "1", "--max-worker-id", "1")
+    try:
+        init_pool(master.url, "t", 1, 1)
+        old_side = daemons.start("--redis", f"{master.url}?ns=t", *timings, *skew, worker_id=None)
+        wait_serving(old_side)
+        assert stats(old_side)["lease_replicas_expected"] == "0"
+        recorder = Recorder([old_side]).start()
+        try:
+            replica = start_redis(tmp_path / "replica", *FAST, "--replicaof", "127.0.0.1", str(master.port))
+            wait_until(lambda: master.client().execute_command("WAIT", 1, 100) == 1, timeout=15, step=0)
+            joined = time.monotonic()
+            if guard == "counted":
+                time.sleep(2.2)  # two renews of the holder
+            else:
+                master.client().config_set("min-replicas-to-write", 1)
+            # The partition: the replica stops hearing from the old master and is promoted.
+            replica.client().config_set("masterauth", "cut-off")
+            master.client().client_kill_filter(_type="replica")
+            replica.client().execute_command("REPLICAOF", "NO", "ONE")
+            split = time.monotonic()
+            new_side = daemons.start("--redis", f"{replica.url}?ns=t", *timings, *skew, worker_id=None)
+            recorder.add(new_side)
+            wait_until(lambda: len(recorder.served(1, split)) > 0, timeout=40, step=0.1)
+            time.sleep(2)  # both sides under load
+        finally:
+            recorder.stop()
+        old_last = recorder.served(0)[-1].received - split
+        print(
+            f"a replica joined, cut off {split - joined:.1f} s later ({guard}): {recorder.summary()}; the old"
+            f" side's holder served until {old_last:+.1f} s after the cut, the new side from"
+            f" {recorder.served(1)[0].received - split:.1f} s"
+        )
+        assert recorder.duplicates() == 0, recorder.summary()
+        assert recorder.overlapping_holders() == [], recorder.summary()
+        assert old_last <= 3.0  # its deadline: the last renew the replica acknowledged, plus the ttl
+        if guard == "counted":
+            assert "replicas acknowledged it" in old_side.stderr()
+        else:
+            assert "NOREPLICAS" in old_side.stderr()
+    finally:
+        if replica is not None:
+            replica.stop()
+        master.stop()

@@ -100,13 +100,17 @@ def test_one_round_trip_per_renew_and_pool_occupancy(daemons: DaemonFactory, red
     init_pool(redis_server.url, low=1, high=10)
     d = start_leased(daemons, redis_server.url, "--lease-free-warn", "95", init=False)
     client = redis_server.client()
+    renewals_before = int(stats(d)["lease_renewals"])
     info_before = client.info("commandstats").get("cmdstat_info", {}).get("calls", 0)
     wait_until(lambda: int(stats(d)["lease_renewals"]) >= 4, timeout=15)
+    info_after = client.info("commandstats").get("cmdstat_info", {}).get("calls", 0)
     fields = stats(d)
-    # No replicas: the acquire and each renew are one round trip each (the script, with the replica
-    # count asked in the same pipeline once a minute), and nothing else is asked on the way.
+    # No replicas: the acquire and each renew are one round trip each (the script, which reads the
+    # replica count itself), and nothing else is asked on the way.
     assert int(fields["lease_round_trips"]) == int(fields["lease_renewals"]) + 1
-    assert client.info("commandstats").get("cmdstat_info", {}).get("calls", 0) == info_before + 1
+    # A renew that vouches for its record asks INFO once (replication: the count), not who Redis is.
+    renewed = int(fields["lease_renewals"]) - renewals_before
+    assert renewed - 1 <= info_after - info_before <= renewed + 1, (renewed, info_after - info_before)
     assert fields["lease_pool_ids"] == "10" and fields["lease_pool_free"] == "9"
     assert "nearly full: 9 of 10 ids free (under 95%)" in d.stderr()
     summary = json.loads(run_tool("lease", "stats", "--redis", f"{redis_server.url}?ns=t").stdout)

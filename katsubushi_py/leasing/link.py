@@ -9,9 +9,19 @@ connected, recorded in the pool under the master's identity (``REPLICAS_LUA``): 
 disconnects, or a link that is cut, lowers nothing, so a master cut off from its replicas (the old
 master on the wrong side of a partition, while Sentinel promotes a replica) cannot confirm a single
 lease: its daemons stop at their deadline instead of issuing beside the new master's. A new master (a
-promotion, a restart) starts from its own count. The count is asked (pipelined too) on every new
-connection, every minute, and after a ``WAIT`` that fell short. ``replica_acks=N`` in the URL waits for
-exactly N instead (0: none), as Redis's own ``min-replicas-to-write`` does.
+promotion, a restart) starts from its own count.
+
+**The count is read by the write itself**: the acquire and renew scripts run as ``COUNTED`` versions
+that read ``connected_slaves`` after their write, in the same atomic run, record it, and return the
+count with their reply; the ``WAIT`` pipelined with the script waits for the count the last write
+returned, and a write whose own count is higher (a replica joined since; the first write on a
+connection) waits again for all of them (a second round trip) before it counts. So a write is never
+counted as acknowledged by fewer replicas than the master had when it was written, and a replica is
+waited for from the first lease write that sees it connected (before issue 23's fix: within a minute,
+and a partition in that minute left the old master confirming leases alone). What remains: a replica
+that joins a master and is cut off from it before any lease write ran there was never counted (Redis's
+``min-replicas-to-write`` closes that; docs/leasing.md). ``replica_acks=N`` in the URL waits for
+exactly N instead (0: none) and skips the count, as Redis's own ``min-replicas-to-write`` does.
 
 What that buys: every write the keeper counted is on every replica that master had, so whichever of
 them is promoted holds every confirmed lease and renew; a write that was not acknowledged was never
@@ -33,7 +43,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from .nodes import NodeFinder
-from .scripts import REPLICAS_LUA
+from .scripts import COUNTED
 from .target import LeaseError, RedisTarget, released_channel
 from .timings import LeaseTimings, describe
 
@@ -43,9 +53,6 @@ if TYPE_CHECKING:
     from .recovery import LeaseStats
 
 log = logging.getLogger("katsubushi_py")
-
-# How often the replica count is asked for (and after any WAIT that fell short).
-_REPLICA_CHECK_INTERVAL = 60.0
 
 
 class NotSent(ConnectionError):
@@ -69,8 +76,8 @@ class RedisLink:
         self.finder = NodeFinder(target, timeout=max(0.5, timings.renew / 2))
         self.address = ""  # the node the client talks to (host:port), "" before the first connection
         self._fresh = False  # a client not connected yet
-        self._replicas: int | None = None
-        self._replicas_checked = 0.0
+        self._replicas: int | None = None  # the master's replica count at the last counted write
+        self._whole = True  # the next count compares the master's whole identity (a new connection)
         self._pubsub: Any = None
 
     async def get(self) -> Any:
@@ -78,6 +85,7 @@ class RedisLink:
             self.client, address = await self.finder.connect()
             self._fresh = True
             self._replicas = None  # a new connection may be a new master: ask again
+            self._whole = True
             if address != self.address:
                 if self.address:
                     self.stats.master_changes += 1
@@ -119,52 +127,52 @@ class RedisLink:
     async def run(self, script: str, args: list[Any], durable: bool = True) -> tuple[list[Any], str, bool]:
         """Run a script and, with ``durable``, WAIT for the replicas it must reach (see the module's
         docstring): one round trip (the script and the WAIT pipelined on one connection), two when the
-        replica count is asked for. Raises :class:`NotSent` when no connection could be made.
+        master had more replicas at the write than were waited for (a connection's first write, a
+        replica that joined). Raises :class:`NotSent` when no connection could be made.
 
         Returns (result, problem, new_connection): ``problem`` is "" or why the write cannot be counted
         as durable; ``new_connection`` whether it ran on another connection than the last script."""
         client = await self.connected()
         keys = self.keys.all
         wait_ms = int(self.timings.renew * 250)
-        now = time.monotonic()
         fixed = self.target.replica_acks
-        refresh = (
-            durable
-            and fixed is None
-            and (self._replicas is None or now - self._replicas_checked >= _REPLICA_CHECK_INTERVAL)
-        )
-        needed = fixed if fixed is not None else (self._replicas or 0)
+        count = durable and fixed is None  # the script counts the master's replicas itself (COUNTED)
+        waited = fixed if fixed is not None else (self._replicas or 0)
         if fixed is not None:
             self.stats.replicas_expected = fixed
         pipe = client.pipeline(transaction=False)
-        pipe.eval(script, len(keys), *keys, *args)
+        whole = count and self._whole  # on a connection's first write (see scripts.counted)
+        if count:
+            pipe.eval(COUNTED[script], len(keys), *keys, *args, "1" if whole else "0")
+        else:
+            pipe.eval(script, len(keys), *keys, *args)
         pipe.execute_command("CLIENT", "ID")
-        if refresh:
-            pipe.eval(REPLICAS_LUA, len(keys), *keys)
-        elif durable and needed:
-            pipe.execute_command("WAIT", needed, wait_ms)
+        if durable and waited:
+            pipe.execute_command("WAIT", waited, wait_ms)
         replies = await pipe.execute()
         self.stats.round_trips += 1
         result = replies[0]
         connection = int(replies[1])
         new_connection, self.connection_id = connection != self.connection_id, connection
+        if whole:
+            self._whole = False
+        if new_connection and not whole:
+            self._whole = True  # reconnected under the client (perhaps to another process)
         if not durable:
             return result, "", new_connection
-        if refresh:
-            needed = self._replicas = int(replies[2])
-            self._replicas_checked = now
+        acked = int(replies[2]) if waited else 0
+        needed = waited
+        if count:
+            # The replicas the master had when it wrote (read in the same atomic run): what counts. More
+            # than were waited for (a replica joined; the first write on a connection): wait for them all.
+            needed, result = int(result[0]), result[1]
+            self._replicas = needed
             self.stats.replicas_expected = needed
-            if not needed:
-                return result, "", new_connection
-            acked = int(await client.execute_command("WAIT", needed, wait_ms))
-            self.stats.round_trips += 1
-        elif needed:
-            acked = int(replies[2])
-        else:
-            return result, "", new_connection
+            if needed > waited and acked < needed:
+                acked = int(await client.execute_command("WAIT", needed, wait_ms))
+                self.stats.round_trips += 1
         if acked < needed:
             self.stats.replica_ack_failures += 1
-            self._replicas = None  # ask again: the count never drops for that, but it may have grown
             return result, f"only {acked} of {needed} replicas acknowledged it within {wait_ms} ms", new_connection
         return result, "", new_connection
 

@@ -461,29 +461,64 @@ return {change, now, tonumber(cur[1] or '0'), tonumber(cur[2] or '0')}
 """
 )
 
-# KEYS: the six. No ARGV. Returns how many replicas every lease write must reach (see link.py): the most
-# replicas this master has had connected since it last started or was promoted. Recorded in the pool
-# under the master's identity (run_id/master_replid), so a daemon that connects to a master later, or
-# again, knows it too: a master cut off from its replicas (connected_slaves 0) is still waited on for
-# them. A new identity (a restart, a promotion) starts from its own count.
-REPLICAS_LUA = (
-    _NOW
-    + _HELPERS
-    + """
-local r = redis.call('INFO', 'replication')
-local n = tonumber(string.match(r, 'connected_slaves:(%d+)') or '0')
-if redis.call('EXISTS', KEYS[6]) == 0 then return n end
-local id = server_identity()
-local cur = redis.call('HMGET', KEYS[6], 'replicas_under', 'replicas')
-if cur[1] ~= id then
-  redis.call('HSET', KEYS[6], 'replicas_under', id, 'replicas', n)
-  return n
+# The replica count a lease write must reach (see link.py): the most replicas this master has had
+# connected since it last started or was promoted. Recorded in the pool under the master's identity
+# (run_id/master_replid), so a daemon that connects to a master later, or again, knows it too: a master
+# cut off from its replicas (connected_slaves 0) is still waited on for them. A new identity (a
+# restart, a promotion) starts from its own count. ``full`` false (a lease write's own count, after its
+# write, on a connection that has written before) skips the identity's INFO server when there is
+# nothing to record: the record is under this master_replid and counts at least the replicas connected
+# now. Only a process that kept another's replication id (a restart that kept it) could share the
+# record; a new process means a new connection, whose first write compares the whole identity.
+_REPLICA_COUNT = """
+local function replica_count(full)
+  local r = redis.call('INFO', 'replication')
+  local n = tonumber(string.match(r, 'connected_slaves:(%d+)') or '0')
+  local cur = redis.call('HMGET', KEYS[6], 'replicas_under', 'replicas')
+  local most = tonumber(cur[2] or '0')
+  if not full and cur[1] and n <= most then
+    local replid = '/' .. (string.match(r, 'master_replid:(%x+)') or '-')
+    if string.sub(cur[1], -#replid) == replid then return most end
+  end
+  if redis.call('EXISTS', KEYS[6]) == 0 then return n end
+  local id = server_identity()
+  if cur[1] ~= id then
+    redis.call('HSET', KEYS[6], 'replicas_under', id, 'replicas', n)
+    return n
+  end
+  if n > most then
+    redis.call('HSET', KEYS[6], 'replicas', n)
+    return n
+  end
+  return most
 end
-local most = tonumber(cur[2] or '0')
-if n > most then
-  redis.call('HSET', KEYS[6], 'replicas', n)
-  return n
-end
-return most
 """
-)
+
+# KEYS: the six. No ARGV. Returns the replica count (above): asked by ``lease stats`` and the tests.
+REPLICAS_LUA = _NOW + _HELPERS + _REPLICA_COUNT + "return replica_count(true)\n"
+
+
+def counted(script: str) -> str:
+    """``script`` as a lease write that counts the master's replicas in the same atomic run, after its
+    write: the reply is ``{count, the script's reply}``, and link.py waits for ``count`` replicas. So a
+    write is never counted as acknowledged by fewer replicas than the master had when it was written,
+    and a replica the write saw is recorded for every later write on that master (see link.py). One
+    more ARGV, after the script's own: '1' to compare the master's whole identity (a connection's
+    first write), '0' otherwise."""
+    prefix = _NOW + _HELPERS
+    if not script.startswith(prefix):
+        raise ValueError("only a lease script (TIME and the helpers first) can be counted")
+    body = script[len(prefix) :]
+    return (
+        prefix
+        + _REPLICA_COUNT
+        + "local function lease_write()\n"
+        + body
+        + "\nend\nlocal reply = lease_write()\nreturn {replica_count(ARGV[#ARGV] == '1'), reply}\n"
+    )
+
+
+# The lease writes that must reach the replicas (link.py runs these in place of the plain ones).
+ACQUIRE_COUNTED_LUA = counted(ACQUIRE_LUA)
+RENEW_COUNTED_LUA = counted(RENEW_LUA)
+COUNTED = {ACQUIRE_LUA: ACQUIRE_COUNTED_LUA, RENEW_LUA: RENEW_COUNTED_LUA}
