@@ -29,7 +29,7 @@ extensions = (
     []
     if skip
     else [
-        Extension("katsubushi_py._speedups", ["katsubushi_py/_speedups.c"]),
+        Extension("katsubushi_py._speedups", ["katsubushi_py/_speedups.c"], depends=["katsubushi_py/_tls_direct.h"]),
         # The gRPC fast path (frontends/grpc_h2.py), a module of its own; each may fail alone.
         Extension("katsubushi_py._grpc_speedups", ["katsubushi_py/_grpc_speedups.c"]),
     ]

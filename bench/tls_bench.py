@@ -11,9 +11,11 @@ CPU 1; memcached runs one worker thread (-t 1), the daemon one process: like for
 
 ``--baseline DIR`` also measures the katsubushi-py checked out in DIR (``PYTHONPATH=DIR``, its own
 compiled modules built there), ``--pure`` the pure-Python hot path (``KATSUBUSHI_NO_EXTENSIONS=1``; with
-``--baseline``, the baseline's too): each in every round, in turn, with its own ratio to memcached.
+``--baseline``, the baseline's too), ``--no-direct`` the compiled path calling OpenSSL through the ``_ssl``
+object's methods (``KATSUBUSHI_TLS_DIRECT=0``): each in every round, in turn, with its own ratio to memcached.
 
-Usage: python bench/tls_bench.py [--rounds 5] [--seconds 2] [--baseline DIR] [--pure] [--json PATH] [--quick]
+Usage: python bench/tls_bench.py [--rounds 5] [--seconds 2] [--baseline DIR] [--pure] [--no-direct]
+                                 [--json PATH] [--quick]
 """
 
 from __future__ import annotations
@@ -70,12 +72,14 @@ def build_loadgen(workdir: Path) -> str:
     return str(out)
 
 
-def variants(baseline: str | None, pure: bool) -> dict[str, dict[str, str]]:
+def variants(baseline: str | None, pure: bool, not_direct: bool = False) -> dict[str, dict[str, str]]:
     """The katsubushi-py variants to measure and their environments (see the module's docstring)."""
     found = {"katsubushi-py": {}}
     no_ext = {"KATSUBUSHI_NO_EXTENSIONS": "1"}
     if pure:
         found["katsubushi-py (pure)"] = no_ext
+    if not_direct:
+        found["katsubushi-py (no direct OpenSSL)"] = {"KATSUBUSHI_TLS_DIRECT": "0"}
     if baseline:
         found["baseline"] = {"PYTHONPATH": str(Path(baseline).resolve())}
         if pure:
@@ -150,13 +154,18 @@ def main() -> None:
     parser.add_argument("--json", metavar="PATH", help="also write every sample as JSON")
     parser.add_argument("--baseline", metavar="DIR", help="also measure the katsubushi-py checked out in DIR")
     parser.add_argument("--pure", action="store_true", help="also measure the pure-Python hot path")
+    parser.add_argument(
+        "--no-direct",
+        action="store_true",
+        help="also measure the compiled path with KATSUBUSHI_TLS_DIRECT=0 (OpenSSL through _ssl's methods)",
+    )
     args = parser.parse_args()
     rounds, seconds = (1, 0.3) if args.quick else (args.rounds, args.seconds)
     memcached = ensure_memcached()
     work = Path(tempfile.mkdtemp(prefix="kbench-tls-"))
     ca, cert, key = make_certificate(work)
     loadgen = build_loadgen(work)
-    envs = variants(args.baseline, args.pure)
+    envs = variants(args.baseline, args.pure, args.no_direct)
     servers = start_servers(memcached, cert, key, args.python, envs)
     samples: dict[str, dict[str, list[dict[str, float]]]] = {}
     try:

@@ -26,7 +26,10 @@
  *                  socket transport the loop drives with add_reader, so that a request passes through
  *                  no event-loop stream object at all. On a TLS connection (_tls: OpenSSL's object of the
  *                  SSLSocket) the read is its read(n) and the write its write(data), and whatever they
- *                  raise is handed to Python (_tls_failed, _tls_write_failed) to decide.
+ *                  raise is handed to Python (_tls_failed, _tls_write_failed) to decide; where the
+ *                  object's SSL can be trusted, SSL_read_ex and SSL_write_ex are called directly
+ *                  instead, with read-ahead, and their errors become the same exceptions
+ *                  (_tls_direct.h).
  *
  * The rule that keeps the twins identical: C only ever does what the Python code would do for the
  * same input in the same state, and gives up (to Python) whenever it would have to decide anything
@@ -1251,6 +1254,7 @@ static PyType_Spec ProtoCore_spec = {
 
 #include <errno.h>
 #include <sys/socket.h>
+#include "_tls_direct.h"
 
 typedef struct {
     PyObject_HEAD
@@ -1261,6 +1265,7 @@ typedef struct {
     PyObject *tls;           /* _tls: OpenSSL's object (read, write, pending) of a TLS connection; NULL: plain */
     char tls_partial;        /* _tls_partial: the last TLS read found part of a record only */
     Py_ssize_t tls_read_size; /* _tls_read_size: what one TLS read asks for */
+    SSL *ssl;                /* the SSL of tls when OpenSSL is called directly (_tls_direct.h); else NULL */
 } SockCore;
 
 static PyObject *str_queue, *str_eof_received, *str_fatal;
@@ -1284,6 +1289,7 @@ static int
 SockCore_clear(SockCore *self)
 {
     Py_CLEAR(self->data_received);
+    self->ssl = NULL;
     Py_CLEAR(self->tls);
     return 0;
 }
@@ -1315,9 +1321,61 @@ sock_hand_exception(SockCore *self, PyObject *name, PyObject *extra)
 /* The TLS read: one read(n) of OpenSSL's object, handed to the protocol; then, if the read got all it
  * asked for, OpenSSL still holds decrypted bytes and the connection goes on, _tls_more (which reads
  * them on the next turn). */
+/* The TLS read with OpenSSL called directly (_tls_direct.h): one SSL_read_ex into the read buffer,
+ * handed to the protocol. Then, as the connection reads ahead, OpenSSL may hold more (decrypted or
+ * not) that the fd will not announce again: _tls_more reads it on the next turn. Want-read is a
+ * record begun (the request deadline starts), want-write waits for the fd, the peer's close_notify is
+ * end of file; anything else is handed to _tls_failed as the exception the _ssl object raises. */
+static PyObject *
+sock_tls_direct_readable(SockCore *self)
+{
+    size_t n = 0;
+    size_t want = self->tls_read_size > 0 && self->tls_read_size < SOCK_READ_SIZE ? (size_t)self->tls_read_size
+                                                                                 : SOCK_READ_SIZE;
+    int ok = tlsd_read_ex(self->ssl, sock_read_buffer, want, &n);
+    if (!ok) {
+        int err = tlsd_get_error(self->ssl, 0);
+        if (err == TLSD_ERROR_WANT_READ) {
+            tlsd_err_clear();
+            self->tls_partial = 1;
+            Py_RETURN_NONE;
+        }
+        if (err == TLSD_ERROR_WANT_WRITE) {
+            tlsd_err_clear();
+            Py_RETURN_NONE;
+        }
+        PyObject *exc = tlsd_exception(err);
+        if (exc == NULL)
+            return NULL;
+        Py_INCREF(self);
+        PyObject *r = PyObject_CallMethodOneArg((PyObject *)self, str_tls_failed, exc);
+        Py_DECREF(exc);
+        Py_DECREF(self);
+        return r;
+    }
+    PyObject *data = PyBytes_FromStringAndSize(sock_read_buffer, (Py_ssize_t)n);
+    if (data == NULL)
+        return NULL;
+    self->tls_partial = 0;
+    Py_INCREF(self);
+    PyObject *callback = Py_NewRef(self->data_received);
+    PyObject *r = PyObject_CallOneArg(callback, data);
+    Py_DECREF(callback);
+    Py_DECREF(data);
+    if (r != NULL && !self->closing && self->data_received != NULL && self->ssl != NULL &&
+        tlsd_has_pending(self->ssl)) {
+        Py_DECREF(r);
+        r = PyObject_CallMethodNoArgs((PyObject *)self, str_tls_more);
+    }
+    Py_DECREF(self);
+    return r;
+}
+
 static PyObject *
 sock_tls_readable(SockCore *self)
 {
+    if (self->ssl != NULL)
+        return sock_tls_direct_readable(self);
     PyObject *tls = Py_NewRef(self->tls);
     Py_INCREF(self);
     PyObject *r = NULL;
@@ -1424,7 +1482,29 @@ SockCore_write(SockCore *self, PyObject *data)
     if (size == 0)
         Py_RETURN_NONE;
     ssize_t n;
-    if (self->tls != NULL) {
+    if (self->ssl != NULL) {
+        /* SSL_write_ex directly (_tls_direct.h): all of it, or want-write / want-read, when the same
+         * bytes are queued for the retry (as OpenSSL requires), or an error handed to _tls_write_failed
+         * as the exception the _ssl object raises. */
+        size_t written = 0;
+        if (tlsd_write_ex(self->ssl, PyBytes_AS_STRING(data), (size_t)size, &written))
+            n = (ssize_t)written;
+        else {
+            int err = tlsd_get_error(self->ssl, 0);
+            if (err == TLSD_ERROR_WANT_WRITE || err == TLSD_ERROR_WANT_READ) {
+                tlsd_err_clear();
+                return PyObject_CallMethodOneArg((PyObject *)self, str_queue, data);
+            }
+            PyObject *exc = tlsd_exception(err);
+            if (exc == NULL)
+                return NULL;
+            PyObject *r = PyObject_CallMethodObjArgs((PyObject *)self, str_tls_write_failed, exc, data, NULL);
+            Py_DECREF(exc);
+            return r;
+        }
+        if (n >= size)
+            Py_RETURN_NONE;
+    } else if (self->tls != NULL) {
         /* write(data) of OpenSSL's object: all of it, or an exception (SSLWantWriteError: the caller
          * keeps the same bytes for the retry, as OpenSSL requires) handed to _tls_write_failed. */
         PyObject *tls = Py_NewRef(self->tls);
@@ -1486,14 +1566,42 @@ SockCore_get_tls(SockCore *self, void *c)
     return Py_NewRef(self->tls ? self->tls : Py_None);
 }
 
+/* _tls = OpenSSL's object of the SSLSocket: its SSL is used directly when it can be trusted
+ * (_tls_direct.h), and then reads ahead (a record header and body in one read(), or more). */
 static int
 SockCore_set_tls(SockCore *self, PyObject *v, void *c)
 {
     PyObject *new = (v == NULL || v == Py_None) ? NULL : v;
     Py_XINCREF(new);
+    self->ssl = NULL;
     Py_XSETREF(self->tls, new);
+    if (new != NULL) {
+        self->ssl = tlsd_ssl_of(new);
+        if (self->ssl != NULL)
+            tlsd_set_read_ahead(self->ssl, 1);
+    }
     return 0;
 }
+
+/* _tls_pending(): whether OpenSSL holds bytes of this connection that the fd will not announce. */
+static PyObject *
+SockCore_tls_pending(SockCore *self, PyObject *unused)
+{
+    if (self->ssl != NULL)
+        return PyBool_FromLong(tlsd_has_pending(self->ssl));
+    if (self->tls == NULL)
+        Py_RETURN_FALSE;
+    PyObject *pending = PyObject_CallMethodNoArgs(self->tls, str_pending);
+    if (pending == NULL)
+        return NULL;
+    int more = PyObject_IsTrue(pending);
+    Py_DECREF(pending);
+    if (more < 0)
+        return NULL;
+    return PyBool_FromLong(more);
+}
+
+static PyObject *SockCore_get_tls_direct(SockCore *self, void *c) { return PyBool_FromLong(self->ssl != NULL); }
 
 static PyObject *SockCore_get_pending(SockCore *self, void *c) { return PyBool_FromLong(self->pending); }
 static PyObject *SockCore_get_tls_partial(SockCore *self, void *c) { return PyBool_FromLong(self->tls_partial); }
@@ -1516,6 +1624,7 @@ static int SockCore_set_tls_partial(SockCore *self, PyObject *v, void *c) { retu
 static PyMethodDef SockCore_methods[] = {
     {"_readable", (PyCFunction)SockCore_readable, METH_NOARGS, "Read once and hand the bytes to the protocol."},
     {"write", (PyCFunction)SockCore_write, METH_O, "Send now, or queue behind what is queued."},
+    {"_tls_pending", (PyCFunction)SockCore_tls_pending, METH_NOARGS, "Does OpenSSL hold bytes the fd will not announce?"},
     {NULL},
 };
 
@@ -1531,6 +1640,7 @@ static PyGetSetDef SockCore_getset[] = {
     {"_closing", (getter)SockCore_get_closing, (setter)SockCore_set_closing, NULL, NULL},
     {"_tls", (getter)SockCore_get_tls, (setter)SockCore_set_tls, NULL, NULL},
     {"_tls_partial", (getter)SockCore_get_tls_partial, (setter)SockCore_set_tls_partial, NULL, NULL},
+    {"_tls_direct", (getter)SockCore_get_tls_direct, NULL, "OpenSSL is called directly (_tls_direct.h).", NULL},
     {NULL},
 };
 
@@ -1614,12 +1724,18 @@ static PyModuleDef_Slot speedups_slots[] = {
     {0, NULL},
 };
 
+static PyMethodDef speedups_methods[] = {
+    {"tls_direct_setup", (PyCFunction)tls_direct_setup, METH_O,
+     "tls_direct_setup(path or None): call OpenSSL of the _ssl module at path directly (see _tls_direct.h)."},
+    {NULL},
+};
+
 static struct PyModuleDef speedups_module = {
     PyModuleDef_HEAD_INIT,
     "katsubushi_py._speedups",
     "Compiled twin of the hot path; see the comment at the top of _speedups.c.",
     0,
-    NULL,
+    speedups_methods,
     speedups_slots,
 };
 

@@ -115,6 +115,10 @@ class PySocketCore:
         else:
             self._eof_received()
 
+    def _tls_pending(self) -> bool:
+        """Whether OpenSSL holds decrypted bytes of this connection (the fd will not announce them)."""
+        return self._tls is not None and bool(self._tls.pending())
+
     def write(self, data: bytes) -> None:
         """Send now when nothing is queued; what the kernel does not take is queued."""
         if self._closing:
@@ -165,6 +169,23 @@ class PySocketCore:
 #: True when memcached listeners are served with :class:`SocketTransport` (the compiled hot path runs).
 DIRECT = speedups is not None
 
+
+def _tls_direct_setup() -> bool:
+    """Let the compiled core call OpenSSL directly on TLS connections (``_tls_direct.h``: the OpenSSL
+    of Python's own ``_ssl`` module, found in its shared object). Off without the compiled core, with
+    ``KATSUBUSHI_TLS_DIRECT=0`` (a diagnostic switch: the object's methods are used, slower, the same
+    behaviour), or where ``_ssl`` is not a shared object of its own."""
+    setup = getattr(speedups, "tls_direct_setup", None)
+    if setup is None:
+        return False
+    if os.environ.get("KATSUBUSHI_TLS_DIRECT", "") == "0":
+        return bool(setup(None))
+    return bool(setup(getattr(ssl._ssl, "__file__", None)))  # type: ignore[attr-defined]
+
+
+#: True when TLS connections on the compiled core call OpenSSL directly (see :func:`_tls_direct_setup`).
+TLS_DIRECT = _tls_direct_setup()
+
 _TRANSPORT_SLOTS = (
     "_aborted",
     "_eof",
@@ -201,6 +222,7 @@ class _Transport:
     _pending: bool
     _closing: bool
     _readable: Any
+    _tls_pending: Any
 
     def __init__(self, loop: asyncio.AbstractEventLoop, sock: socket.socket, protocol: asyncio.Protocol) -> None:
         self._loop = loop
@@ -267,7 +289,7 @@ class _Transport:
         if not self._reading and not self._closing and not self._eof:
             self._reading = True
             self._loop.add_reader(self._fd, self._readable)
-            if self._tls is not None and self._tls.pending():
+            if self._tls is not None and self._tls_pending():
                 self._tls_more()  # decrypted while reading was paused: the fd may never be readable for it
 
     def close(self) -> None:
@@ -379,7 +401,7 @@ class _Transport:
     def _tls_drain(self) -> None:
         """Read what OpenSSL holds decrypted (``pending()``), unless reading has stopped meanwhile or
         the reader callback has read it already (then a read would find nothing: not a record begun)."""
-        if self._reading and not self._closing and self._tls is not None and self._tls.pending():
+        if self._reading and not self._closing and self._tls is not None and self._tls_pending():
             self._readable()
 
     def _connection_lost(self, exc: Exception | None) -> None:

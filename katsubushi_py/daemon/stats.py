@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 from ..compiled import IMPLEMENTATION
 from ..ids.layout import format_time
 from ..issuing.issuer import Issuer
+from .sockets import TLS_DIRECT
 
 if TYPE_CHECKING:
     from ..config import ServerConfig
@@ -140,7 +141,8 @@ def security_settings(config: ServerConfig) -> list[tuple[str, object]]:
     0-2, ``ssl_keyformat`` 1 (PEM, the only format read), ``ssl_min_version`` ``tlsv1.2`` or
     ``tlsv1.3``. memcached's ``ssl_wbuf_size``, ``ssl_session_cache`` and ``ssl_kernel_tls`` are left
     out: no such setting here. Then ours: the token file, ``metrics_no_auth``, ``login_timeout``,
-    ``plain_port`` and ``request_timeout``."""
+    ``plain_port``, ``request_timeout`` and ``tls_openssl_direct`` (``yes`` when TLS is on and the
+    compiled core calls OpenSSL directly, see ``_tls_direct.h``)."""
     tls, auth = config.tls, config.auth
     users = auth.auth_file if auth is not None else None
     tokens = auth.token_file if auth is not None else None
@@ -160,4 +162,5 @@ def security_settings(config: ServerConfig) -> list[tuple[str, object]]:
         ("login_timeout", f"{auth.login_timeout:g}" if users and auth is not None else 0),
         ("plain_port", config.plain_port if config.plain_port is not None else 0),
         ("request_timeout", f"{config.request_timeout:g}"),
+        ("tls_openssl_direct", "yes" if tls is not None and TLS_DIRECT else "no"),
     ]
