@@ -370,7 +370,11 @@ def cmd_lease(argv: Sequence[str]) -> int:
             " namespace that is new, or whose daemons are all stopped: a pool that daemons create themselves"
             " waits out a lease ttl plus twice the clock skew first, in case Redis lost the one before",
         ),
-        ("stats", "counts: ids in use, free and quarantined, data loss events, lease time left, outcomes (JSON)"),
+        (
+            "stats",
+            "counts: ids in use, free and quarantined, data loss events, lease time left, outcomes, the pool's"
+            " high-water mark (JSON)",
+        ),
         ("list", "one JSON line per worker id: owner, time left, last millisecond, quarantined"),
     ):
         p = sub.add_parser(action, help=text, description=text)

@@ -11,6 +11,7 @@ replica joined.
 from __future__ import annotations
 
 import json
+import re
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -18,7 +19,7 @@ from pathlib import Path
 import pytest
 from conftest import DaemonFactory, free_port
 from id_recorder import Recorder
-from lease_helpers import init_pool, run_tool, stats, wait_serving, wait_until
+from lease_helpers import get, init_pool, lease_args, run_tool, stats, wait_serving, wait_until
 from redis_servers import RedisServer, start_redis
 
 from katsubushi_py.leasing import LeaseError, parse_redis_url, scripts
@@ -135,6 +136,34 @@ def test_every_lease_write_counts_the_replicas_in_its_own_run(pair: tuple[RedisS
     assert client.eval(write, len(KEYS), *KEYS, "1") == [1, [7]]  # another process: its own count
     assert client.hget(KEYS[5], "replicas_under").decode().endswith(replid)
     assert client.hget(KEYS[5], "replicas") == b"1"
+
+
+@pytest.mark.once
+def test_a_master_short_of_min_replicas_to_write_says_so(daemons: DaemonFactory, tmp_path: Path) -> None:
+    """A master whose ``min-replicas-to-write`` is not met refuses every write (NOREPLICAS): it is up and
+    answering, so the daemon says that it refuses writes and why (not that it is unreachable), and waits
+    for its lease (an acquire) or fails the renew, as for any write that did not happen."""
+    master = start_redis(tmp_path / "master")
+    try:
+        init_pool(master.url, "t", 1, 2)
+        master.client().config_set("min-replicas-to-write", 1)  # and no replica
+        d = daemons.start(*lease_args(master.url, "t"), worker_id=None)
+        said = "refuses writes: fewer replicas than min-replicas-to-write are connected (NOREPLICAS"
+        where = parse_redis_url(f"{master.url}?ns=t").display
+        wait_until(lambda: f"Redis at {where} {said}" in d.stderr(), timeout=15)
+        reply = get(d)
+        assert isinstance(reply, bytes) and reply.startswith(b"SERVER_ERROR") and said.encode() in reply, reply
+        assert stats(d)["lease_state"] == "connecting"  # as before: no lease write has got through yet
+        assert "unreachable" not in d.stderr()
+        # Met again: the waiting acquire goes through. Then not met while it holds the id: the renew fails.
+        master.client().config_set("min-replicas-to-write", 0)
+        wait_serving(d)
+        master.client().config_set("min-replicas-to-write", 1)
+        renew = re.compile(rf"renewing worker id \d+ failed: {re.escape(f'Redis at {where} {said}')}")
+        wait_until(lambda: renew.search(d.stderr()), timeout=15)
+        assert "unreachable" not in d.stderr()
+    finally:
+        master.stop()
 
 
 # -- two masters at once ---------------------------------------------------------------------------

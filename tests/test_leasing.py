@@ -325,6 +325,8 @@ def test_lease_tools(daemons: DaemonFactory, redis_server: RedisServer) -> None:
     first = run_tool("lease", "init", "--redis", url, "--min", "1", "--max", "10")
     assert first.returncode == 0, first.stderr
     assert "created" in first.stdout and "10" in first.stdout
+    fresh = json.loads(run_tool("lease", "stats", "--redis", url).stdout)
+    assert fresh["pool_mark_hw_ms"] == 0 and fresh["pool_mark_ahead_ms"] == 0  # nothing issued yet
     again = run_tool("lease", "init", "--redis", url, "--min", "1", "--max", "10")
     assert again.returncode == 0 and "already exists" in again.stdout
     d = daemons.start("--redis", url, "--lease-ttl", "3s", worker_id=None)
@@ -342,6 +344,16 @@ def test_lease_tools(daemons: DaemonFactory, redis_server: RedisServer) -> None:
     assert [r["state"] for r in rows].count("held") == 1 and [r["state"] for r in rows].count("free") == 9
     assert summary["redis_identity"] == summary["pool_identity"] and not summary["redis_changed_unseen"]
     assert held[0]["last_ms"] >= decode(issued[-1])[0]
+    # The pool's high-water mark: the holder's clock plus the ttl at its last renew (about a second ago).
+    assert summary["pool_mark_hw_ms"] >= decode(issued[-1])[0]
+    assert 0 < summary["pool_mark_ahead_ms"] <= 3000 + 200
+    # A mark a minute ahead of Redis's clock (a daemon whose clock was that far ahead) shows as such.
+    other = f"{redis_server.url}?ns=tools-hw"
+    assert run_tool("lease", "init", "--redis", other, "--min", "1", "--max", "2").returncode == 0
+    seconds, micros = redis_server.client().time()
+    redis_server.client().hset("{tools-hw}:pool", "mark_hw_ms", seconds * 1000 + micros // 1000 + 60_000)
+    ahead = json.loads(run_tool("lease", "stats", "--redis", other).stdout)["pool_mark_ahead_ms"]
+    assert 55_000 < ahead <= 60_000
 
 
 @pytest.mark.parametrize(

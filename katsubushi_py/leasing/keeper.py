@@ -49,7 +49,7 @@ from ..issuing.errors import StateFileError
 from ..issuing.generator import Generator
 from ..issuing.statefile import StateFile, StateFileInUse
 from .holder import NOT_CONFIRMED, Holding, RedisClockWatch
-from .link import NotSent, RedisLink
+from .link import NotSent, RedisLink, refusal, trouble
 from .outages import RenewWatch
 from .pool import init_pool
 from .recovery import LeaseStats, Reporter
@@ -213,10 +213,11 @@ class LeaseKeeper:
                         if time.monotonic() >= deadline:
                             raise LeaseError(
                                 f"cannot lease a worker id from {self.target.display} within"
-                                f" --lease-start-timeout {self.start_timeout:g}s: {describe(exc)}"
+                                f" --lease-start-timeout {self.start_timeout:g}s:"
+                                f" {refusal(self.target.display, exc) or describe(exc)}"
                             ) from None
                         pause = min(pause, deadline - time.monotonic())  # one last try at the deadline
-                    self._wait(f"Redis at {self.target.display} unreachable ({describe(exc)})")
+                    self._wait(trouble(self.target.display, exc))
                     await asyncio.sleep(pause)
                     continue
                 received = time.monotonic()
@@ -279,7 +280,8 @@ class LeaseKeeper:
                     self.stats.renew_retries += 1
                     continue
                 if self._every("renew-failed", _WAIT_LOG_INTERVAL):
-                    log.warning("renewing worker id %d failed: %s", lease.worker_id, describe(exc))
+                    why = refusal(self.target.display, exc) or describe(exc)
+                    log.warning("renewing worker id %d failed: %s", lease.worker_id, why)
                 return None
         outcome = parse_renew(result)
         if not isinstance(outcome, Renewed):
@@ -455,7 +457,7 @@ class LeaseKeeper:
                         f"cannot lease a worker id from {self.target.display} within --lease-start-timeout"
                         f" {self.start_timeout:g}s: {describe(exc)}"
                     ) from None
-                self._wait(f"Redis at {self.target.display} unreachable ({describe(exc)})")
+                self._wait(trouble(self.target.display, exc))
                 await asyncio.sleep(min(backoff.next(), deadline - time.monotonic()))  # last try at the deadline
         log.info("clock differs from Redis TIME by %+.3fs", skew)
         self.clock_watch.offset_ms = -skew * 1000

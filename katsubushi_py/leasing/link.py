@@ -39,6 +39,7 @@ import asyncio
 import contextlib
 import logging
 import random
+import re
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -58,6 +59,29 @@ log = logging.getLogger("katsubushi_py")
 class NotSent(ConnectionError):
     """No connection to the node could be made (or the node could not be found): nothing was sent, so
     the write certainly did not happen."""
+
+
+# A master that refuses writes while fewer replicas than its min-replicas-to-write are connected (the
+# reply's text, wherever the client wraps it: a script's error inside a pipeline's).
+_NOREPLICAS = re.compile(r"NOREPLICAS[^'\"]*")
+
+
+def refusal(where: str, exc: BaseException) -> str:
+    """Why Redis at ``where`` refused a write although it answered, or "": ``NOREPLICAS`` is a master
+    up and reachable whose ``min-replicas-to-write`` is not met (a replica down, or cut off for longer
+    than ``min-replicas-max-lag``): what to fix is the replicas, not the network."""
+    found = _NOREPLICAS.search(describe(exc))
+    if found is None:
+        return ""
+    return (
+        f"Redis at {where} refuses writes: fewer replicas than min-replicas-to-write are connected"
+        f" ({found.group(0).strip()})"
+    )
+
+
+def trouble(where: str, exc: BaseException) -> str:
+    """What a failed round trip to Redis at ``where`` means, for the log and the fence's reason."""
+    return refusal(where, exc) or f"Redis at {where} unreachable ({describe(exc)})"
 
 
 # Round trips of the clock check: the one with the shortest round trip tells the offset best.

@@ -100,6 +100,7 @@ def pool_stats(snapshot: dict[str, Any]) -> dict[str, Any]:
         return int(pool[name]) if name in pool else None
 
     doubt = int(pool.get("doubt_until_ms", 0))
+    mark_hw = int(pool.get("mark_hw_ms", 0))
     stamped = pool.get("identity")
 
     return {
@@ -150,6 +151,12 @@ def pool_stats(snapshot: dict[str, Any]) -> dict[str, Any]:
         # Leases expired by Redis's clock left to their holder, whose mark was ahead of the acquirer's clock.
         "skipped_live_leases": counters.get("skipped_live_leases", 0),
         "redis_clock_offset_ms": snapshot["redis_clock_offset_ms"],
+        # The pool's high-water mark (scripts.py): the highest handover mark any holder wrote (its clock plus
+        # the ttl, at every renew) or a quarantine, barrier or doubt window computed; never lowered. Ahead of
+        # Redis's clock by about a ttl while holders renew; far more: a daemon's clock is ahead (or Redis's
+        # behind). 0 ahead once it is behind Redis's clock (no holder renewed for a ttl).
+        "pool_mark_hw_ms": mark_hw,
+        "pool_mark_ahead_ms": max(0, mark_hw - now_ms),
         # The replica wait (issue 24): how many replicas each lease write must reach (the most this master
         # has had since it started or was promoted, as the daemons recorded it; null before any did),
         # and how many are connected now.

@@ -2,8 +2,13 @@
 
 Every script reads ``TIME`` itself, so every daemon is judged by one clock (Redis's); where a bound
 protects uniqueness, the caller's own clock (its generator's, anchored to its monotonic clock) is
-weighed too, so that a step of Redis's clock cannot lower it (see ``cover``). After a write, if the
-master has replicas, the keeper waits (``WAIT``, pipelined on the same connection) for a majority.
+weighed too, so that a step of Redis's clock cannot lower it (see ``cover``). An acquire or a renew
+counts only once every replica the master has had connected since it last started or was promoted has
+acknowledged it: the write reads that count in its own run (``counted``: the most ``connected_slaves``
+seen, recorded in the pool under the master's identity) and the keeper waits for all of them (``WAIT``,
+pipelined on the same connection; a second ``WAIT`` when the write counted more than were asked for;
+see link.py). ``replica_acks=N`` in the URL waits for exactly N instead. Releases and identity checks
+are not waited for.
 
 **What Redis has forgotten is treated as unsafe; recovering costs time, never uniqueness.**
 
