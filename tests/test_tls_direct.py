@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import shutil
 import socket
 import ssl
@@ -15,6 +16,8 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import pytest
+from conftest import DaemonFactory, decode
+from pymemcache.client.base import Client
 from test_tls_transport import Recorder, Server, client_context, server_context
 from tls_certs import Certs, make_certs
 
@@ -237,3 +240,47 @@ async def test_errors_and_ends_are_the_same_events_on_every_core(scenario: str, 
     )
     for name, got in seen.items():
         assert got == reference, f"{name} differs from the reference core: {got} != {reference}"
+
+
+def stats_settings(sock: ssl.SSLSocket) -> dict[str, str]:
+    sock.sendall(b"stats settings\r\n")
+    got = b""
+    while not got.endswith(b"END\r\n"):
+        chunk = sock.recv(65536)
+        assert chunk, "closed"
+        got += chunk
+    return {line.split()[1]: line.split()[2] for line in got.decode().splitlines() if line.startswith("STAT ")}
+
+
+@pytest.mark.parametrize("direct", ["1", "0"], ids=["direct", "methods"])
+def test_the_daemon_serves_tls_clients_with_direct_calls_on_and_off(
+    daemons: DaemonFactory, certs: Certs, direct: str
+) -> None:
+    """The daemon as a real process, ``KATSUBUSHI_TLS_DIRECT`` on (the default) and off: ``stats
+    settings`` says which; pymemcache over TLS gets IDs; a raw TLS client pipelines 200 GETs of 100
+    keys in one write (many records, read ahead) and gets every reply, in order; every ID is unique
+    and increasing."""
+    d = daemons.start(
+        "--tls-cert", certs.server.cert, "--tls-key", certs.server.key, env={"KATSUBUSHI_TLS_DIRECT": direct}
+    )
+    ctx = client_context(certs)
+    client = Client(("127.0.0.1", d.port), tls_context=ctx, connect_timeout=5, timeout=5)
+    ids = [int(client.get("a")) for _ in range(50)]  # type: ignore[arg-type]
+    ids += [int(v) for v in client.get_many([f"k{i}" for i in range(100)]).values()]
+    client.close()
+    with ctx.wrap_socket(socket.create_connection(("127.0.0.1", d.port), timeout=10), server_hostname="localhost") as s:
+        on = stats_settings(s)["tls_openssl_direct"]
+        compiled = sockets.TLS_DIRECT and os.environ.get("KATSUBUSHI_NO_EXTENSIONS", "") in ("", "0")
+        assert on == ("yes" if direct == "1" and compiled else "no")
+        request = b"get " + b" ".join(b"k%d" % i for i in range(100)) + b"\r\n"
+        s.sendall(request * 200)
+        got = b""
+        while got.count(b"END\r\n") < 200:
+            chunk = s.recv(1 << 20)
+            assert chunk, "closed before every reply"
+            got += chunk
+    values = [int(line) for line in got.split(b"\r\n") if line.isdigit()]
+    assert len(values) == 200 * 100
+    ids += values
+    assert ids == sorted(ids) and len(set(ids)) == len(ids)
+    assert decode(ids[0])[1] == 7
