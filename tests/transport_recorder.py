@@ -24,11 +24,13 @@ class Recorder(asyncio.Protocol):
     """Answers every read with ``reply(data)`` and records what the transport told it: ``events`` (made,
     eof, pause_writing, resume_writing, lost), every read as it came (``reads``) and all of them
     (``received``). ``on_made(transport)`` runs as the connection is made (a small buffer, say);
-    ``keep_open_at_eof`` is what ``eof_received`` answers."""
+    ``keep_open_at_eof`` is what ``eof_received`` answers. Both by keyword only: the two files' copies
+    took different second arguments."""
 
     def __init__(
         self,
         reply: Callable[[bytes], bytes] | None = None,
+        *,
         keep_open_at_eof: bool = False,
         on_made: Callable[[Any], None] | None = None,
     ) -> None:
