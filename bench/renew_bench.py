@@ -32,14 +32,17 @@ sys.path.insert(0, str(ROOT / "tests"))
 
 from redis_servers import start_redis  # noqa: E402
 
-# Run inside the subject's checkout (PYTHONPATH): one keeper, one lease, ``n`` renews; prints JSON.
-DRIVER = r"""
+# What both drivers share, run inside the subject's checkout (PYTHONPATH): a pool, one keeper holding
+# one lease, and the renew loop as the keeper's ``_maintain`` does it, timed per renew as the keeper sees
+# it. One copy, so that the renew the two drivers measure is the same renew. (An older checkout's
+# ``acquire`` returns the lease alone and its ``renew(high_water)`` returns ``(outcome, _)``.)
+PRELUDE = r"""
 import asyncio, inspect, json, sys, time
 from katsubushi_py.issuing.generator import Generator
 from katsubushi_py.leasing import LeaseTimings, parse_redis_url
 from katsubushi_py.leasing.keeper import LeaseKeeper, init_pool
 
-async def main(url, ns, n):
+async def holding(url, ns):
     target = parse_redis_url(f"{url}?ns={ns}")
     await init_pool(target, 1, 1023)
     keeper = LeaseKeeper(target, LeaseTimings(30, 10, 20), 1, 1023, skew_max=5)
@@ -47,9 +50,12 @@ async def main(url, ns, n):
     keeper.generator = generator
     got = await keeper.acquire()
     keeper._take(*got) if isinstance(got, tuple) else keeper._take(got)
+    return target, keeper, generator
+
+async def renews(keeper, generator, n):
     two = len(inspect.signature(keeper.renew).parameters) == 2  # this checkout's renew(high_water, local)
     times = []
-    for _ in range(n + 50):
+    for _ in range(n):
         local = generator.now_ms()
         sent = time.monotonic()
         start = time.perf_counter()
@@ -61,30 +67,35 @@ async def main(url, ns, n):
             outcome, _ = await keeper.renew(local + 30_000)
             assert outcome == "ok", outcome
         times.append(time.perf_counter() - start)
+    return times
+"""
+
+# One keeper, one lease, ``n`` renews (after 50 not counted); prints JSON.
+DRIVER = (
+    PRELUDE
+    + r"""
+async def main(url, ns, n):
+    _, keeper, generator = await holding(url, ns)
+    times = await renews(keeper, generator, n + 50)
     await keeper.release(0)
     print(json.dumps({"client_us": [t * 1e6 for t in times[50:]]}))
 
 asyncio.run(main(sys.argv[1], sys.argv[2], int(sys.argv[3])))
 """
+)
 
 
 # ``--count-cost``: one keeper, one lease, alternating blocks of renews that read the replica count in
 # their script (the default) and that do not (``replica_acks=0`` skips it): what the count costs Redis,
 # without a second checkout and without the noise between two processes. Prints JSON.
-COUNT_DRIVER = r"""
-import asyncio, dataclasses, json, sys, time
+COUNT_DRIVER = (
+    PRELUDE
+    + r"""
+import dataclasses
 import redis
-from katsubushi_py.issuing.generator import Generator
-from katsubushi_py.leasing import LeaseTimings, parse_redis_url
-from katsubushi_py.leasing.keeper import LeaseKeeper, init_pool
 
 async def main(url, ns, blocks):
-    target = parse_redis_url(f"{url}?ns={ns}")
-    await init_pool(target, 1, 1023)
-    keeper = LeaseKeeper(target, LeaseTimings(30, 10, 20), 1, 1023, skew_max=5)
-    generator = Generator(1, allow_worker_id_change=True)
-    keeper.generator = generator
-    keeper._take(*await keeper.acquire())
+    target, keeper, generator = await holding(url, ns)
     stats = redis.Redis.from_url(url)
     plain = dataclasses.replace(target, replica_acks=0)
     out = {"counted": [], "plain": []}
@@ -92,17 +103,14 @@ async def main(url, ns, blocks):
         for name in ("counted", "plain") if block % 2 == 0 else ("plain", "counted"):
             keeper.link.target = target if name == "counted" else plain
             before = stats.info("commandstats")["cmdstat_eval"]
-            for _ in range(100):
-                local = generator.now_ms()
-                sent = time.monotonic()
-                outcome = await keeper.renew(local + 30_000, local)
-                keeper.holding.renewed(sent, time.monotonic(), outcome)
+            await renews(keeper, generator, 100)
             after = stats.info("commandstats")["cmdstat_eval"]
             out[name].append((after["usec"] - before["usec"]) / (after["calls"] - before["calls"]))
     print(json.dumps(out))
 
 asyncio.run(main(sys.argv[1], sys.argv[2], int(sys.argv[3])))
 """
+)
 
 
 def count_cost(url: str, blocks: int, pin: bool) -> None:

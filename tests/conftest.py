@@ -153,6 +153,22 @@ def daemon_env(state_dir: Path | None = None, extra: dict[str, str] | None = Non
     return env
 
 
+@contextlib.contextmanager
+def logged_process(argv: list[str], log: Path, env: dict[str, str] | None = None) -> Iterator[subprocess.Popen[bytes]]:
+    """A daemon (or what starts one: ``unshare``, ``systemd-socket-activate``) started from ``argv`` with
+    its stderr in ``log`` and no stdin or stdout (``env``: None inherits this process's). Killed and
+    waited for on the way out if it still runs, so a failing test leaves no daemon behind; a test that
+    means it to stop cleanly stops it itself and checks its exit status."""
+    with open(log, "wb") as err:
+        proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=err, env=env)
+    try:
+        yield proc
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
 @dataclass
 class Daemon:
     proc: subprocess.Popen[bytes]

@@ -18,7 +18,7 @@ schedules its callbacks from a root context, which is never paused.
 **Host clocks.** :class:`HostClock` gives a host a monotonic clock (true time at the host's rate) and a
 wall clock (the same rate, plus an offset that steps). It is the generator's ``Clock`` and, through
 :data:`SIM_TIME`, what the leasing modules read as ``time.monotonic()``/``time.time()`` while they run
-for that host's process (the simulator installs it as those modules' ``time``; see sim_leasing.py).
+for that host's process (the simulator installs it as those modules' ``time``; see sim_world.py).
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from conftest import DaemonFactory, free_port
+from conftest import Daemon, DaemonFactory, free_port
 from id_recorder import Recorder
 from lease_helpers import get, init_pool, lease_args, run_tool, stats, wait_serving, wait_until
 from redis_servers import RedisServer, start_redis
@@ -167,6 +167,33 @@ def test_a_master_short_of_min_replicas_to_write_says_so(daemons: DaemonFactory,
 
 
 # -- two masters at once ---------------------------------------------------------------------------
+def lease_daemon(daemons: DaemonFactory, server: RedisServer, max_worker_id: int) -> Daemon:
+    """A daemon leasing from ``server`` (namespace t, ids 1..max_worker_id) with short leases (ttl 3 s,
+    renewed every second) and a tight clock check: what the two-masters tests run on either side."""
+    timings = ("--lease-ttl", "3s", "--lease-renew", "1s", "--lease-delay", "2s")
+    skew = ("--clock-skew-max", "0.5s", "--clock-skew-warn", "0.5s")
+    ids = ("--min-worker-id", "1", "--max-worker-id", str(max_worker_id))
+    return daemons.start("--redis", f"{server.url}?ns=t", *timings, *skew, *ids, worker_id=None)
+
+
+def first_holder(daemons: DaemonFactory, master: RedisServer, max_worker_id: int, replicas: str) -> Daemon:
+    """The pool made on ``master`` and a daemon serving from it, which counted ``replicas`` replicas."""
+    init_pool(master.url, "t", 1, max_worker_id)
+    holder = lease_daemon(daemons, master, max_worker_id)
+    wait_serving(holder)
+    assert stats(holder)["lease_replicas_expected"] == replicas
+    return holder
+
+
+def partition(master: RedisServer, replica: RedisServer) -> float:
+    """The replica stops hearing from the old master and is promoted (as Sentinel does on the other side
+    of a partition); the old master keeps running. Returns the moment of the split (monotonic)."""
+    replica.client().config_set("masterauth", "cut-off")
+    master.client().client_kill_filter(_type="replica")
+    replica.client().execute_command("REPLICAOF", "NO", "ONE")
+    return time.monotonic()
+
+
 @pytest.mark.once
 def test_two_masters_at_once(daemons: DaemonFactory, pair: tuple[RedisServer, RedisServer]) -> None:
     """The old master is cut off from its replica, which is promoted (as Sentinel does on the other
@@ -175,23 +202,14 @@ def test_two_masters_at_once(daemons: DaemonFactory, pair: tuple[RedisServer, Re
     waited for none: its daemons went on issuing while the new master handed their ids out again.
     Now no write there counts: the holder stops at its deadline, the newcomer never serves."""
     master, replica = pair
-    timings = ("--lease-ttl", "3s", "--lease-renew", "1s", "--lease-delay", "2s")
-    skew = ("--clock-skew-max", "0.5s", "--clock-skew-warn", "0.5s", "--min-worker-id", "1", "--max-worker-id", "2")
-    init_pool(master.url, "t", 1, 2)
-    old_side = daemons.start("--redis", f"{master.url}?ns=t", *timings, *skew, worker_id=None)
-    wait_serving(old_side)
-    assert stats(old_side)["lease_replicas_expected"] == "1"
+    old_side = first_holder(daemons, master, 2, replicas="1")
     recorder = Recorder([old_side]).start()
     try:
         time.sleep(1)
-        # The partition: the replica stops hearing from the old master and is promoted.
-        replica.client().config_set("masterauth", "cut-off")
-        master.client().client_kill_filter(_type="replica")
-        replica.client().execute_command("REPLICAOF", "NO", "ONE")
-        split = time.monotonic()
-        late = daemons.start("--redis", f"{master.url}?ns=t", *timings, *skew, worker_id=None)
+        split = partition(master, replica)
+        late = lease_daemon(daemons, master, 2)
         recorder.add(late)
-        new_side = daemons.start("--redis", f"{replica.url}?ns=t", *timings, *skew, worker_id=None)
+        new_side = lease_daemon(daemons, replica, 2)
         recorder.add(new_side)
         # The new side serves once what is in doubt has certainly stopped.
         wait_until(lambda: len(recorder.served(2, split)) > 0, timeout=30, step=0.1)
@@ -229,13 +247,8 @@ def test_two_masters_seconds_after_a_replica_joined(daemons: DaemonFactory, tmp_
     refuses the writes at once."""
     master = start_redis(tmp_path / "master", *FAST)
     replica: RedisServer | None = None
-    timings = ("--lease-ttl", "3s", "--lease-renew", "1s", "--lease-delay", "2s")
-    skew = ("--clock-skew-max", "0.5s", "--clock-skew-warn", "0.5s", "--min-worker-id", "1", "--max-worker-id", "1")
     try:
-        init_pool(master.url, "t", 1, 1)
-        old_side = daemons.start("--redis", f"{master.url}?ns=t", *timings, *skew, worker_id=None)
-        wait_serving(old_side)
-        assert stats(old_side)["lease_replicas_expected"] == "0"
+        old_side = first_holder(daemons, master, 1, replicas="0")
         recorder = Recorder([old_side]).start()
         try:
             replica = start_redis(tmp_path / "replica", *FAST, "--replicaof", "127.0.0.1", str(master.port))
@@ -245,12 +258,8 @@ def test_two_masters_seconds_after_a_replica_joined(daemons: DaemonFactory, tmp_
                 time.sleep(2.2)  # two renews of the holder
             else:
                 master.client().config_set("min-replicas-to-write", 1)
-            # The partition: the replica stops hearing from the old master and is promoted.
-            replica.client().config_set("masterauth", "cut-off")
-            master.client().client_kill_filter(_type="replica")
-            replica.client().execute_command("REPLICAOF", "NO", "ONE")
-            split = time.monotonic()
-            new_side = daemons.start("--redis", f"{replica.url}?ns=t", *timings, *skew, worker_id=None)
+            split = partition(master, replica)
+            new_side = lease_daemon(daemons, replica, 1)
             recorder.add(new_side)
             wait_until(lambda: len(recorder.served(1, split)) > 0, timeout=40, step=0.1)
             time.sleep(2)  # both sides under load

@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import DAEMON_CMD, decode, free_port, parse_values, recv_until, wait_for_port
+from conftest import DAEMON_CMD, decode, free_port, logged_process, parse_values, recv_until, wait_for_port
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCKERFILE = ROOT / "Dockerfile"
@@ -124,15 +124,9 @@ def test_container_arrangement_daemon_as_process_1(pid_namespace: None, short_tm
     env.update({k: str(data) if v == "/data" else v for k, v in image_environment().items()})
     env.update({"WORKER_ID": "3", "SOCK": sock})
     log = short_tmp / "daemon.log"
-    with open(log, "wb") as err:
-        proc = subprocess.Popen(
-            ["unshare", "--pid", "--fork", "--mount-proc", *entrypoint, "--port", str(port)],
-            env=env,
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.DEVNULL,
-            stderr=err,
-        )
-    try:
+    with logged_process(
+        ["unshare", "--pid", "--fork", "--mount-proc", *entrypoint, "--port", str(port)], log, env=env
+    ) as proc:
         wait_for_port(port, proc)
         children = Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()
         assert len(children) == 1
@@ -161,10 +155,6 @@ def test_container_arrangement_daemon_as_process_1(pid_namespace: None, short_tm
         stop_signal = getattr(signal, instruction("STOPSIGNAL"))
         os.kill(daemon_pid, stop_signal)
         assert proc.wait(10) == 0
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
     text = log.read_text()
     assert "worker id 3 from WORKER_ID" in text and text.rstrip().endswith("INFO stopped"), text
     assert not os.path.exists(sock), "a clean stop removes its socket file"
@@ -294,9 +284,7 @@ def test_socket_activation_serves_on_the_inherited_sockets(socket_activate: str,
     # It clears the environment: name the state directory, or the daemon (as root) would use /var/lib's.
     argv += ["-E", f"STATE_DIRECTORY={short_tmp / 'state'}"]
     argv += [*DAEMON_CMD, "--worker-id", "12", "--port", str(ignored_port), "--loop", loop]
-    with open(log, "wb") as err:
-        proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=err)
-    try:
+    with logged_process(argv, log) as proc:
         deadline = time.monotonic() + 10
         while not os.path.exists(path) and time.monotonic() < deadline:
             time.sleep(0.02)
@@ -313,10 +301,6 @@ def test_socket_activation_serves_on_the_inherited_sockets(socket_activate: str,
             socket.create_connection(("127.0.0.1", ignored_port), timeout=2).close()
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(10) == 0
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
     text = log.read_text()
     assert "serving memcached on 2 socket(s) passed by systemd; --port and --sock are not used" in text, text
     assert f"serving worker id 12 from --worker-id on 127.0.0.1:{port}, {path}" in text
@@ -432,9 +416,7 @@ def test_the_documented_docker_run_with_tls_and_logins_passes_its_healthcheck(tm
     daemon_env = {k: v for k, v in os.environ.items() if k.upper() not in {"WORKER_ID", "PORT", "SOCK", "STATE_DIR"}}
     daemon_env.update({k: moved(v) for k, v in {**image_environment(), **env}.items()})
     log = tmp_path / "daemon.log"
-    with open(log, "wb") as err:
-        proc = subprocess.Popen(argv, env=daemon_env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=err)
-    try:
+    with logged_process(argv, log, env=daemon_env) as proc:
         wait_for_port(port, proc)
         check = healthcheck_command()
         check = [*DAEMON_CMD, *check[1:]]
@@ -451,7 +433,3 @@ def test_the_documented_docker_run_with_tls_and_logins_passes_its_healthcheck(tm
             assert recv_until(s, b"\r\n") == b"CLIENT_ERROR unauthenticated\r\n"
         proc.terminate()
         assert proc.wait(10) == 0
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()

@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import DAEMON_CMD, daemon_env, decode, free_port, parse_values, recv_until, wait_for_port
+from conftest import DAEMON_CMD, daemon_env, decode, free_port, logged_process, parse_values, recv_until, wait_for_port
 
 from katsubushi_py.issuing.statefile import StateFile
 
@@ -78,9 +78,7 @@ def test_sighup_during_start_up_is_ignored_and_the_daemon_serves(tmp_path: Path)
     log = tmp_path / "daemon.log"
     argv = [*DAEMON_CMD, "--worker-id", "7", "--port", str(port), "--state-dir", str(state), "--max-clock-wait", "3s"]
     argv += ["--auth-file", str(login_file(tmp_path))]  # something for a reload to reread once it runs
-    with open(log, "wb") as err:
-        proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=err, env=daemon_env())
-    try:
+    with logged_process(argv, log, env=daemon_env()) as proc:
         assert wait_for_lock(state, 7, proc) == proc.pid
         hang_up_while_starting(proc.pid, proc, log, port)
         wait_for_port(port, proc, timeout=20)
@@ -98,10 +96,6 @@ def test_sighup_during_start_up_is_ignored_and_the_daemon_serves(tmp_path: Path)
         assert "SIGHUP: reloading" in log.read_text()
         proc.terminate()
         assert proc.wait(10) == 0
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
 
 
 @pytest.mark.once
@@ -114,9 +108,7 @@ def test_sighup_during_the_workers_start_up_is_ignored(tmp_path: Path) -> None:
     log = tmp_path / "daemon.log"
     argv = [*DAEMON_CMD, "--worker-id", "7", "--workers", "2", "--port", str(port), "--state-dir", str(state)]
     argv += ["--max-clock-wait", "3s", "--auth-file", str(login_file(tmp_path))]
-    with open(log, "wb") as err:
-        proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=err, env=daemon_env())
-    try:
+    with logged_process(argv, log, env=daemon_env()) as proc:
         children = {wait_for_lock(state, 7, proc), wait_for_lock(state, 8, proc)}
         assert proc.pid not in children
         # (the supervisor listens from the start: its processes accept once they serve)
@@ -144,8 +136,4 @@ def test_sighup_during_the_workers_start_up_is_ignored(tmp_path: Path) -> None:
         assert log.read_text().count("SIGHUP: reloading") == 2
         proc.terminate()
         assert proc.wait(15) == 0
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
     assert "restarting" not in log.read_text()

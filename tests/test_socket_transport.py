@@ -10,48 +10,9 @@ import socket
 from typing import Any
 
 import pytest
+from transport_recorder import TRANSPORTS, Recorder
 
-from katsubushi_py.daemon import sockets
-from katsubushi_py.daemon.sockets import HIGH_WATER, PySocketTransport, SocketServer
-
-TRANSPORTS = [pytest.param(PySocketTransport, id="python")]
-if sockets.DIRECT:
-    TRANSPORTS.append(pytest.param(sockets.SocketTransport, id="compiled"))
-
-
-class Recorder(asyncio.Protocol):
-    """Answers every read with ``reply(data)`` and records what the transport told it."""
-
-    def __init__(self, reply: Any = None, keep_open_at_eof: bool = False) -> None:
-        self.events: list[str] = []
-        self.received = b""
-        self.reply = reply
-        self.keep_open_at_eof = keep_open_at_eof
-        self.transport: Any = None
-        self.lost = asyncio.get_running_loop().create_future()
-
-    def connection_made(self, transport: Any) -> None:
-        self.transport = transport
-        self.events.append("made")
-
-    def data_received(self, data: bytes) -> None:
-        self.received += data
-        if self.reply is not None:
-            self.transport.write(self.reply(data))
-
-    def eof_received(self) -> bool:
-        self.events.append("eof")
-        return self.keep_open_at_eof
-
-    def pause_writing(self) -> None:
-        self.events.append("pause_writing")
-
-    def resume_writing(self) -> None:
-        self.events.append("resume_writing")
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        self.events.append("lost")
-        self.lost.set_result(exc)
+from katsubushi_py.daemon.sockets import HIGH_WATER, SocketServer
 
 
 def pair(transport_class: type, protocol: Recorder) -> tuple[Any, socket.socket]:

@@ -15,15 +15,11 @@ from typing import Any
 
 import pytest
 from tls_certs import Certs, make_certs
+from transport_recorder import TRANSPORTS, Recorder
 
-from katsubushi_py.daemon import sockets
-from katsubushi_py.daemon.sockets import HIGH_WATER, PySocketTransport, SocketServer
+from katsubushi_py.daemon.sockets import HIGH_WATER, SocketServer
 
 pytestmark = pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl command")
-
-TRANSPORTS = [pytest.param(PySocketTransport, id="python")]
-if sockets.DIRECT:
-    TRANSPORTS.append(pytest.param(sockets.SocketTransport, id="compiled"))
 
 
 @pytest.fixture(scope="module")
@@ -45,47 +41,6 @@ def client_context(certs: Certs, with_cert: bool = False) -> ssl.SSLContext:
     if with_cert:
         ctx.load_cert_chain(certs.client.cert, certs.client.key)
     return ctx
-
-
-class Recorder(asyncio.Protocol):
-    """Answers every read with ``reply(data)`` and records what the transport told it."""
-
-    def __init__(self, reply: Callable[[bytes], bytes] | None = None, on_made: Any = None) -> None:
-        self.events: list[str] = []
-        self.reads: list[bytes] = []
-        self.reply = reply
-        self.on_made = on_made
-        self.transport: Any = None
-        self.lost = asyncio.get_running_loop().create_future()
-
-    @property
-    def received(self) -> bytes:
-        return b"".join(self.reads)
-
-    def connection_made(self, transport: Any) -> None:
-        self.transport = transport
-        self.events.append("made")
-        if self.on_made is not None:
-            self.on_made(transport)
-
-    def data_received(self, data: bytes) -> None:
-        self.reads.append(data)
-        if self.reply is not None:
-            self.transport.write(self.reply(data))
-
-    def eof_received(self) -> bool:
-        self.events.append("eof")
-        return False
-
-    def pause_writing(self) -> None:
-        self.events.append("pause_writing")
-
-    def resume_writing(self) -> None:
-        self.events.append("resume_writing")
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        self.events.append("lost")
-        self.lost.set_result(exc)
 
 
 class Server:
