@@ -3,6 +3,7 @@ pyproject.toml). Where no C compiler works, or with ``KATSUBUSHI_NO_EXTENSIONS=1
 the extension is skipped with a warning and the pure-Python twin runs: the package still installs."""
 
 import os
+from pathlib import Path
 
 from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
@@ -29,7 +30,12 @@ extensions = (
     []
     if skip
     else [
-        Extension("katsubushi_py._speedups", ["katsubushi_py/_speedups.c"], depends=["katsubushi_py/_tls_direct.h"]),
+        # One translation unit: _speedups.c includes its parts (the types, one file each).
+        Extension(
+            "katsubushi_py._speedups",
+            ["katsubushi_py/_speedups.c"],
+            depends=[str(path) for path in sorted(Path("katsubushi_py").glob("*.h"))],
+        ),
         # The gRPC fast path (frontends/grpc_h2.py), a module of its own; each may fail alone.
         Extension("katsubushi_py._grpc_speedups", ["katsubushi_py/_grpc_speedups.c"]),
     ]

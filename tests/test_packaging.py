@@ -88,7 +88,7 @@ def test_wheel_contains_every_subpackage_and_module(built: Built) -> None:
     files = {
         str(p.relative_to(ROOT))
         for p in (ROOT / "katsubushi_py").rglob("*")
-        if p.is_file() and "__pycache__" not in p.parts and not p.name.endswith((".pyc", ".so", ".c"))
+        if p.is_file() and "__pycache__" not in p.parts and not p.name.endswith((".pyc", ".so", ".c", ".h"))
     }
     assert {"katsubushi_py/py.typed", "katsubushi_py/cli.py"} <= files
     assert files <= names, sorted(files - names)
@@ -97,6 +97,7 @@ def test_wheel_contains_every_subpackage_and_module(built: Built) -> None:
     assert "katsubushi_py/_speedups.c" not in names
     assert any(name.startswith("katsubushi_py/_grpc_speedups.") and name.endswith(".so") for name in names)
     assert "katsubushi_py/_grpc_speedups.c" not in names
+    assert not any(name.endswith(".h") for name in names)  # (the parts of _speedups.c)
     assert not any(name.startswith(("tests/", "bench/")) for name in names)
     dist_info = f"katsubushi_py-{katsubushi_py.__version__}.dist-info"
     assert f"{dist_info}/licenses/LICENSE" in names
@@ -122,6 +123,8 @@ def test_sdist_contains_the_docs_tests_and_deployment_files(built: Built) -> Non
         "tests/conftest.py",
         "katsubushi_py/__init__.py",
         "katsubushi_py/_speedups.c",
+        "katsubushi_py/_speedups_socket.h",
+        "katsubushi_py/_tls_direct.h",
         "katsubushi_py/_grpc_speedups.c",
         "tests/grpc_js/package-lock.json",
         "tests/grpc_js/client.js",

@@ -1,0 +1,285 @@
+/*
+ * GeneratorCore, the bucket of the current millisecond (twin of issuing/bucket.py PyGeneratorCore).
+ *
+ * Part of katsubushi_py._speedups: included once by _speedups.c, in the order written there (each part
+ * uses the types and interned strings of the parts before it); see the comment at the top of _speedups.c
+ * for what the twins are and the rule that keeps them identical.
+ */
+
+/* ------------------------------------------------------------------------------------------------ */
+/* GeneratorCore                                                                                     */
+
+typedef struct {
+    PyObject_HEAD
+    long long next;   /* next unused ID of the bucket */
+    long long stop;   /* one past the bucket's last ID */
+    long long end_ns; /* monotonic ns at which the bucket stops being valid; -1: never valid */
+    PyObject *mono_fn; /* NULL: CLOCK_MONOTONIC (what time.monotonic_ns reads); else an injected clock */
+    /* The decimal text of the last ID formatted (digits_of; -1: none), so that the next consecutive
+     * one is a count up, not 19 divisions. */
+    long long digits_of;
+    int ndigits;
+    char digits[24];
+} GenCore;
+
+static int
+gen_now(GenCore *self, long long *out)
+{
+    if (self->mono_fn == NULL) {
+        struct timespec ts;
+        clock_gettime(CLOCK_MONOTONIC, &ts);
+        *out = (long long)ts.tv_sec * 1000000000LL + ts.tv_nsec;
+        return 0;
+    }
+    /* The clock may drop itself (_use_clock(None)) while it runs: hold it for the call. */
+    PyObject *fn = self->mono_fn;
+    Py_INCREF(fn);
+    PyObject *r = PyObject_CallNoArgs(fn);
+    Py_DECREF(fn);
+    if (r == NULL)
+        return -1;
+
+    *out = PyLong_AsLongLong(r);
+    Py_DECREF(r);
+    if (*out == -1 && PyErr_Occurred())
+        return -1;
+    return 0;
+}
+
+/* 1 if the bucket is valid now and holds at least k IDs, 0 if not, -1 on error. _set_bucket keeps
+ * 0 <= next <= stop, and every take keeps next <= stop, so stop - next cannot overflow; it is checked
+ * all the same, so that no state reachable by a bug can make it undefined. */
+static int
+gen_has(GenCore *self, long long k)
+{
+    long long now, left;
+    if (__builtin_sub_overflow(self->stop, self->next, &left) || left < k)
+        return 0;
+    if (gen_now(self, &now) < 0)
+        return -1;
+    /* An injected clock is Python and may have set another bucket meanwhile: count again, so that
+     * next + k never passes stop (nor 2**63 - 1) whatever it did. */
+    if (__builtin_sub_overflow(self->stop, self->next, &left) || left < k)
+        return 0;
+    return now < self->end_ns;
+}
+
+static PyObject *
+GenCore_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
+{
+    GenCore *self = (GenCore *)type->tp_alloc(type, 0);
+    if (self != NULL) {
+        self->next = self->stop = 0;
+        self->end_ns = -1;
+        self->mono_fn = NULL;
+        self->digits_of = -1;
+    }
+    return (PyObject *)self;
+}
+
+static int
+GenCore_traverse(GenCore *self, visitproc visit, void *arg)
+{
+    Py_VISIT(self->mono_fn);
+    Py_VISIT(Py_TYPE(self));
+    return 0;
+}
+
+static int
+GenCore_clear(GenCore *self)
+{
+    Py_CLEAR(self->mono_fn);
+    return 0;
+}
+
+static void
+GenCore_dealloc(GenCore *self)
+{
+    PyTypeObject *tp = Py_TYPE(self);
+    PyObject_GC_UnTrack(self);
+    GenCore_clear(self);
+    tp->tp_free((PyObject *)self);
+    Py_DECREF(tp);
+}
+
+static PyObject *
+GenCore_next_id(GenCore *self, PyObject *Py_UNUSED(ignored))
+{
+    int has = gen_has(self, 1);
+    if (has < 0)
+        return NULL;
+    if (has)
+        return PyLong_FromLongLong(self->next++);
+    return PyObject_CallMethodNoArgs((PyObject *)self, str_next_id_slow);
+}
+
+static PyObject *
+GenCore_next_ids(GenCore *self, PyObject *arg)
+{
+    long long n = PyLong_AsLongLong(arg);
+    if (n == -1 && PyErr_Occurred())
+        return NULL;
+    if (n <= 0)
+        return PyList_New(0);
+    int has = gen_has(self, n);
+    if (has < 0)
+        return NULL;
+    if (!has)
+        return PyObject_CallMethodOneArg((PyObject *)self, str_next_ids_slow, arg);
+    PyObject *list = PyList_New((Py_ssize_t)n);
+    if (list == NULL)
+        return NULL;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *v = PyLong_FromLongLong(self->next + i);
+        if (v == NULL) {
+            Py_DECREF(list);
+            return NULL;
+        }
+        PyList_SET_ITEM(list, i, v);
+    }
+    self->next += n;
+    return list;
+}
+
+static PyObject *
+GenCore_take(GenCore *self, PyObject *Py_UNUSED(ignored))
+{
+    if (self->next < self->stop)
+        return PyLong_FromLongLong(self->next++);
+    Py_RETURN_NONE;
+}
+
+static PyObject *
+GenCore_take_many(GenCore *self, PyObject *arg)
+{
+    long long k = PyLong_AsLongLong(arg);
+    if (k == -1 && PyErr_Occurred())
+        return NULL;
+    long long left;
+    if (__builtin_sub_overflow(self->stop, self->next, &left) || left < 0)
+        left = 0;
+    if (k > left)
+        k = left;
+    if (k < 0)
+        k = 0;
+    PyObject *list = PyList_New((Py_ssize_t)k);
+    if (list == NULL)
+        return NULL;
+    for (Py_ssize_t i = 0; i < k; i++) {
+        PyObject *v = PyLong_FromLongLong(self->next + i);
+        if (v == NULL) {
+            Py_DECREF(list);
+            return NULL;
+        }
+        PyList_SET_ITEM(list, i, v);
+    }
+    self->next += k;
+    return list;
+}
+
+static PyObject *
+GenCore_set_bucket(GenCore *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    long long base, count, end;
+    if (nargs != 3) {
+        PyErr_SetString(PyExc_TypeError, "_set_bucket(base, count, end_ns)");
+        return NULL;
+    }
+    base = PyLong_AsLongLong(args[0]);
+    count = PyLong_AsLongLong(args[1]);
+    end = PyLong_AsLongLong(args[2]);
+    if (PyErr_Occurred())
+        return NULL;
+    long long stop;
+    if (base < 0 || count < 0 || __builtin_add_overflow(base, count, &stop)) {
+        PyErr_SetString(PyExc_ValueError, "_set_bucket: base and count must be >= 0 and base + count < 2**63");
+        return NULL;
+    }
+    /* Order matters for nothing here: the GIL is held, no other thread sees a half-set bucket. */
+    self->next = base;
+    self->stop = stop;
+    self->end_ns = end;
+    Py_RETURN_NONE;
+}
+
+static PyObject *
+GenCore_drop_bucket(GenCore *self, PyObject *Py_UNUSED(ignored))
+{
+    self->next = self->stop = 0;
+    self->end_ns = -1;
+    Py_RETURN_NONE;
+}
+
+static PyObject *
+GenCore_bucket_left(GenCore *self, PyObject *Py_UNUSED(ignored))
+{
+    return PyLong_FromLongLong(self->stop > self->next ? self->stop - self->next : 0);
+}
+
+static PyObject *
+GenCore_use_clock(GenCore *self, PyObject *fn)
+{
+    if (fn == Py_None) {
+        Py_CLEAR(self->mono_fn);
+    } else {
+        Py_INCREF(fn);
+        Py_XSETREF(self->mono_fn, fn);
+    }
+    Py_RETURN_NONE;
+}
+
+static PyObject *
+GenCore_get_end(GenCore *self, void *closure)
+{
+    return PyLong_FromLongLong(self->end_ns);
+}
+
+static int
+GenCore_set_end(GenCore *self, PyObject *value, void *closure)
+{
+    if (value == NULL) {
+        PyErr_SetString(PyExc_AttributeError, "cannot delete _bucket_end_ns");
+        return -1;
+    }
+    long long v = PyLong_AsLongLong(value);
+    if (v == -1 && PyErr_Occurred())
+        return -1;
+    self->end_ns = v;
+    return 0;
+}
+
+static PyMethodDef GenCore_methods[] = {
+    {"next_id", (PyCFunction)GenCore_next_id, METH_NOARGS, "One ID, greater than every ID issued before."},
+    {"next_ids", (PyCFunction)GenCore_next_ids, METH_O, "n increasing IDs."},
+    {"_take", (PyCFunction)GenCore_take, METH_NOARGS, NULL},
+    {"_take_many", (PyCFunction)GenCore_take_many, METH_O, NULL},
+    {"_set_bucket", (PyCFunction)(void (*)(void))GenCore_set_bucket, METH_FASTCALL, NULL},
+    {"_drop_bucket", (PyCFunction)GenCore_drop_bucket, METH_NOARGS, NULL},
+    {"_bucket_left", (PyCFunction)GenCore_bucket_left, METH_NOARGS, NULL},
+    {"_use_clock", (PyCFunction)GenCore_use_clock, METH_O, NULL},
+    {NULL},
+};
+
+static PyGetSetDef GenCore_getset[] = {
+    {"_bucket_end_ns", (getter)GenCore_get_end, (setter)GenCore_set_end, NULL, NULL},
+    {NULL},
+};
+
+static PyType_Slot GenCore_slots[] = {
+    {Py_tp_new, GenCore_new},
+    {Py_tp_dealloc, GenCore_dealloc},
+    {Py_tp_traverse, GenCore_traverse},
+    {Py_tp_clear, GenCore_clear},
+    {Py_tp_methods, GenCore_methods},
+    {Py_tp_getset, GenCore_getset},
+    {Py_tp_doc, "The generator's bucket and fast path (compiled twin of PyGeneratorCore)."},
+    {0, NULL},
+};
+
+static PyType_Spec GenCore_spec = {
+    "katsubushi_py._speedups.GeneratorCore",
+    sizeof(GenCore),
+    0,
+    Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE | Py_TPFLAGS_HAVE_GC,
+    GenCore_slots,
+};
