@@ -115,8 +115,9 @@ static PyModuleDef_Slot speedups_slots[] = {
 };
 
 static PyMethodDef speedups_methods[] = {
-    {"tls_direct_setup", (PyCFunction)tls_direct_setup, METH_O,
-     "tls_direct_setup(path or None): call OpenSSL of the _ssl module at path directly (see _tls_direct.h)."},
+    {"tls_direct_setup", (PyCFunction)tls_direct_setup, METH_VARARGS,
+     "tls_direct_setup(path or None, reset_is_eof=True): call OpenSSL of the _ssl module at path directly "
+     "(see _tls_direct.h)."},
     {NULL},
 };
 

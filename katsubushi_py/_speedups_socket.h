@@ -90,8 +90,10 @@ sock_tls_direct_readable(SockCore *self)
     size_t n = 0;
     size_t want = self->tls_read_size > 0 && self->tls_read_size < SOCK_READ_SIZE ? (size_t)self->tls_read_size
                                                                                  : SOCK_READ_SIZE;
+    errno = 0;
     int ok = tlsd_read_ex(self->ssl, sock_read_buffer, want, &n);
     if (!ok) {
+        int saved_errno = errno;
         int err = tlsd_get_error(self->ssl, 0);
         if (err == TLSD_ERROR_WANT_READ) {
             tlsd_err_clear();
@@ -102,7 +104,7 @@ sock_tls_direct_readable(SockCore *self)
             tlsd_err_clear();
             Py_RETURN_NONE;
         }
-        PyObject *exc = tlsd_exception(err);
+        PyObject *exc = tlsd_exception(err, saved_errno);
         if (exc == NULL)
             return NULL;
         Py_INCREF(self);
@@ -245,15 +247,17 @@ SockCore_write(SockCore *self, PyObject *data)
          * bytes are queued for the retry (as OpenSSL requires), or an error handed to _tls_write_failed
          * as the exception the _ssl object raises. */
         size_t written = 0;
+        errno = 0;
         if (tlsd_write_ex(self->ssl, PyBytes_AS_STRING(data), (size_t)size, &written))
             n = (ssize_t)written;
         else {
+            int saved_errno = errno;
             int err = tlsd_get_error(self->ssl, 0);
             if (err == TLSD_ERROR_WANT_WRITE || err == TLSD_ERROR_WANT_READ) {
                 tlsd_err_clear();
                 return PyObject_CallMethodOneArg((PyObject *)self, str_queue, data);
             }
-            PyObject *exc = tlsd_exception(err);
+            PyObject *exc = tlsd_exception(err, saved_errno);
             if (exc == NULL)
                 return NULL;
             PyObject *r = PyObject_CallMethodObjArgs((PyObject *)self, str_tls_write_failed, exc, data, NULL);

@@ -47,16 +47,26 @@ static void (*tlsd_err_clear)(void);
 static unsigned long (*tlsd_err_peek_last)(void);
 static const char *(*tlsd_err_reason)(unsigned long);
 static int tlsd_ready;
+/* How this Python's _ssl reports a read that failed with errno set and nothing queued (a reset):
+ * SSLEOFError (CPython before gh-115627: 3.10 to 3.12) or the OSError of errno (3.13 on). Probed by
+ * the caller (daemon/sockets.py) on the same _ssl, and given to tls_direct_setup. */
+static int tlsd_reset_is_eof = 1;
 /* ssl.SSLError, SSLZeroReturnError, SSLEOFError: the exceptions handed to Python. */
 static PyObject *tlsd_ssl_error, *tlsd_zero_return_error, *tlsd_eof_error;
 
-/* tls_direct_setup(path): look OpenSSL up in the shared object at path (_ssl.__file__); True when
- * every function was found (then SocketCore uses it for every TLS object that passes the check).
+/* tls_direct_setup(path, reset_is_eof=True): look OpenSSL up in the shared object at path
+ * (_ssl.__file__); True when every function was found (then SocketCore uses it for every TLS object
+ * that passes the check). reset_is_eof: how _ssl reports a reset (see tlsd_reset_is_eof).
  * tls_direct_setup(None) switches it off (KATSUBUSHI_TLS_DIRECT=0, tests). */
 static PyObject *
-tls_direct_setup(PyObject *module, PyObject *path)
+tls_direct_setup(PyObject *module, PyObject *args)
 {
+    PyObject *path;
+    int reset_is_eof = 1;
+    if (!PyArg_ParseTuple(args, "O|p:tls_direct_setup", &path, &reset_is_eof))
+        return NULL;
     tlsd_ready = 0;
+    tlsd_reset_is_eof = reset_is_eof;
     if (path == Py_None)
         Py_RETURN_FALSE;
 #if PY_VERSION_HEX < 0x03080000 || PY_VERSION_HEX >= 0x030F0000
@@ -129,16 +139,29 @@ tlsd_unexpected_eof(unsigned long code)
 }
 
 /* The exception the _ssl object's read or write raises for OpenSSL's error `err` of a failed
- * SSL_read_ex or SSL_write_ex; OpenSSL's error queue is cleared, as _ssl does. As there, a system
- * error with nothing queued (a reset, a broken pipe: the call returned 0) is SSLEOFError, whatever
- * errno says; OpenSSL's "unexpected eof" too; anything else SSLError with OpenSSL's reason. */
+ * SSL_read_ex or SSL_write_ex (errno `saved_errno` just after it); OpenSSL's error queue is cleared,
+ * as _ssl does. As there, a system error with nothing queued (a reset, a broken pipe) is the OSError
+ * of errno or SSLEOFError, as this Python's _ssl does (tlsd_reset_is_eof); with errno 0 SSLEOFError;
+ * OpenSSL's "unexpected eof" too; anything else SSLError with OpenSSL's reason. */
 static PyObject *
-tlsd_exception(int err)
+tlsd_exception(int err, int saved_errno)
 {
     unsigned long queued = tlsd_err_peek_last();
     PyObject *exc;
     if (err == TLSD_ERROR_ZERO_RETURN) {
         exc = PyObject_CallFunction(tlsd_zero_return_error, "is", 6, "TLS/SSL connection has been closed (EOF)");
+    } else if (err == TLSD_ERROR_SYSCALL && queued == 0 && saved_errno != 0 && !tlsd_reset_is_eof) {
+        errno = saved_errno;
+        PyErr_SetFromErrno(PyExc_OSError);
+#if PY_VERSION_HEX >= 0x030C0000
+        exc = PyErr_GetRaisedException();
+#else
+        PyObject *type, *tb;
+        PyErr_Fetch(&type, &exc, &tb);
+        PyErr_NormalizeException(&type, &exc, &tb);
+        Py_XDECREF(type);
+        Py_XDECREF(tb);
+#endif
     } else if ((err == TLSD_ERROR_SYSCALL && queued == 0) || (err == TLSD_ERROR_SSL && tlsd_unexpected_eof(queued))) {
         exc = PyObject_CallFunction(tlsd_eof_error, "is", 8, "EOF occurred in violation of protocol");
     } else {

@@ -170,6 +170,44 @@ class PySocketCore:
 DIRECT = speedups is not None
 
 
+def _ssl_reports_a_reset_as_eof() -> bool:
+    """How this Python's ``_ssl`` reports a read that failed with a system error (errno set, nothing
+    in OpenSSL's queue: a reset): ``SSLEOFError`` (CPython 3.10 to 3.12) or the ``OSError`` of errno
+    (3.13, gh-115627). The direct calls must raise what the object raises (``_tls_failed`` makes the
+    first an end of file and the second a failed connection), so it is asked, once: a TLS client on a
+    socket pair whose peer closes with the ClientHello unread (the next read fails with ECONNRESET)."""
+    a, b = socket.socketpair()
+    try:
+        ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+        ctx.check_hostname = False
+        ctx.verify_mode = ssl.CERT_NONE
+        client = ctx.wrap_socket(a, do_handshake_on_connect=False)
+    except (OSError, ValueError):
+        a.close()
+        b.close()
+        return True
+    try:
+        client.setblocking(False)
+        obj = client._sslobj  # type: ignore[attr-defined]
+        with contextlib.suppress(ssl.SSLWantReadError):
+            obj.read(1)  # sends the ClientHello, finds nothing to read
+        b.close()
+        try:
+            obj.read(1)
+        except ssl.SSLEOFError:
+            return True
+        except OSError:
+            return False
+        return True
+    finally:
+        client.close()
+        b.close()
+
+
+#: How this Python's ``_ssl`` reports a reset (see :func:`_ssl_reports_a_reset_as_eof`); None until asked.
+SSL_RESET_IS_EOF: bool | None = None
+
+
 def _tls_direct_setup() -> bool:
     """Let the compiled core call OpenSSL directly on TLS connections (``_tls_direct.h``: the OpenSSL
     of Python's own ``_ssl`` module, found in its shared object). Off without the compiled core, with
@@ -180,7 +218,12 @@ def _tls_direct_setup() -> bool:
         return False
     if os.environ.get("KATSUBUSHI_TLS_DIRECT", "") == "0":
         return bool(setup(None))
-    return bool(setup(getattr(ssl._ssl, "__file__", None)))  # type: ignore[attr-defined]
+    path = getattr(ssl._ssl, "__file__", None)  # type: ignore[attr-defined]
+    if path is None:
+        return bool(setup(None))
+    global SSL_RESET_IS_EOF
+    SSL_RESET_IS_EOF = _ssl_reports_a_reset_as_eof()
+    return bool(setup(path, SSL_RESET_IS_EOF))
 
 
 #: True when TLS connections on the compiled core call OpenSSL directly (see :func:`_tls_direct_setup`).
