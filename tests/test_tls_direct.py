@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 from conftest import DaemonFactory, decode
 from pymemcache.client.base import Client
-from test_tls_transport import Recorder, Server, client_context, server_context
+from test_tls_transport import Recorder, Server, bio_client_with_incoming, client_context, server_context
 from tls_certs import Certs, make_certs
 
 from katsubushi_py.compiled import speedups
@@ -123,27 +123,6 @@ def oversized_header() -> bytes:
 
 
 SCENARIOS = ["damaged record", "oversized record", "close_notify", "tcp close", "reset", "data then close"]
-
-
-def bio_client_with_incoming(
-    port: int, ctx: ssl.SSLContext
-) -> tuple[socket.socket, ssl.SSLObject, ssl.MemoryBIO, ssl.MemoryBIO]:
-    """:func:`test_tls_transport.bio_client`, keeping the incoming BIO too (to read the server's end)."""
-    sock = socket.create_connection(("127.0.0.1", port), timeout=5)
-    incoming, outgoing = ssl.MemoryBIO(), ssl.MemoryBIO()
-    obj = ctx.wrap_bio(incoming, outgoing, server_hostname="localhost")
-    while True:
-        try:
-            obj.do_handshake()
-            break
-        except ssl.SSLWantReadError:
-            sock.sendall(outgoing.read())
-            data = sock.recv(65536)
-            if not data:
-                raise ConnectionError("closed during the handshake") from None
-            incoming.write(data)
-    sock.sendall(outgoing.read())
-    return sock, obj, incoming, outgoing
 
 
 def how_the_server_ended(sock: socket.socket, obj: ssl.SSLObject, incoming: ssl.MemoryBIO) -> str:

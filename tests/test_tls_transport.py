@@ -233,6 +233,14 @@ async def test_what_openssl_holds_decrypted_is_read_without_the_fd_becoming_read
 
 def bio_client(port: int, ctx: ssl.SSLContext) -> tuple[socket.socket, ssl.SSLObject, ssl.MemoryBIO]:
     """A TLS client over memory BIOs on a raw socket: the test decides which bytes go when."""
+    sock, obj, _, outgoing = bio_client_with_incoming(port, ctx)
+    return sock, obj, outgoing
+
+
+def bio_client_with_incoming(
+    port: int, ctx: ssl.SSLContext
+) -> tuple[socket.socket, ssl.SSLObject, ssl.MemoryBIO, ssl.MemoryBIO]:
+    """:func:`bio_client`, with its incoming BIO too (to read what the server sends at the end)."""
     sock = socket.create_connection(("127.0.0.1", port), timeout=5)
     incoming, outgoing = ssl.MemoryBIO(), ssl.MemoryBIO()
     obj = ctx.wrap_bio(incoming, outgoing, server_hostname="localhost")
@@ -247,7 +255,7 @@ def bio_client(port: int, ctx: ssl.SSLContext) -> tuple[socket.socket, ssl.SSLOb
                 raise ConnectionError("closed during the handshake") from None
             incoming.write(data)
     sock.sendall(outgoing.read())
-    return sock, obj, outgoing
+    return sock, obj, incoming, outgoing
 
 
 @pytest.mark.parametrize("transport_class", TRANSPORTS)
