@@ -195,6 +195,19 @@ class Daemon:
     def stderr(self) -> str:
         return self.stderr_path.read_text()
 
+    def wait_for_log(self, text: str, timeout: float = 10.0) -> str:
+        """The log once it contains ``text``. A port accepts before the startup line is written (the
+        kernel queues connections while later listeners are still being made), so a test that reads
+        that line waits for it rather than racing it."""
+        deadline = time.monotonic() + timeout
+        while True:
+            said = self.stderr()
+            if text in said:
+                return said
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                raise AssertionError(f"{text!r} not logged within {timeout} s:\n{said}")
+            time.sleep(0.02)
+
     def stop(self, sig: int = signal.SIGTERM, timeout: float = 5.0) -> int:
         if self.proc.poll() is None:
             with contextlib.suppress(ProcessLookupError):

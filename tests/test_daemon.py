@@ -105,7 +105,7 @@ def test_unix_socket_only_and_removed_on_stop(daemons: DaemonFactory, short_tmp:
     d = daemons.start(port=None, sock=path, worker_id=2)
     with d.connect() as s:
         assert decode(get(s, b"a")[0])[1] == 2
-    assert "11212" not in d.stderr()
+    assert "11212" not in d.wait_for_log("serving worker id")
     assert d.stop() == 0
     assert not os.path.exists(path)
 
@@ -307,7 +307,7 @@ def test_both_event_loops(daemons: DaemonFactory) -> None:
         d = daemons.start("--loop", loop)
         with d.connect() as s:
             assert len(get(s, b"a", b"b")) == 2
-        assert f"(loop {loop})" in d.stderr()
+        d.wait_for_log(f"(loop {loop})")
         assert d.stop() == 0
 
 
@@ -437,4 +437,4 @@ def test_ipv6_host(daemons: DaemonFactory) -> None:
             time.sleep(0.05)
     with s:
         assert decode(get(s, b"a")[0])[1] == 7
-    assert f"[::1]:{port}" in d.stderr()
+    d.wait_for_log(f"[::1]:{port}")

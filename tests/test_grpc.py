@@ -137,7 +137,7 @@ def test_grpc_port_in_use_and_katsubushi_spelling(daemons: DaemonFactory) -> Non
     port = free_port()
     d = daemons.start("-grpc-port", str(port), env={"GRPC_PORT": "1"})  # the flag wins
     wait_for_port(port, d.proc)
-    assert f"grpc://127.0.0.1:{port}" in d.stderr()
+    d.wait_for_log(f"grpc://127.0.0.1:{port}")
     second = subprocess.run(
         [sys.executable, "-m", "katsubushi_py", "--worker-id", "2", "--port", str(free_port())],
         env=daemon_env(None, {"GRPC_PORT": str(port), "PATH": "/usr/bin:/bin"}),

@@ -219,7 +219,7 @@ def test_http_port_from_katsubushi_spellings(daemons: DaemonFactory) -> None:
         conn = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
         assert fetch(conn, "/id")[0] == 200
         conn.close()
-        assert f"http://127.0.0.1:{port}" in d.stderr()
+        d.wait_for_log(f"http://127.0.0.1:{port}")
 
 
 def test_http_port_in_use_is_one_line(daemons: DaemonFactory) -> None:

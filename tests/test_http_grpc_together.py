@@ -116,7 +116,7 @@ def test_every_front_end_at_once_never_shares_an_id(daemons: DaemonFactory) -> N
         assert {decode(i)[1] for i in ids} == {7}
     with d.connect() as mc:
         fields = mc_stats(mc)
-    assert "(loop uvloop)" in d.stderr()  # gRPC (grpc.aio) shares the daemon's uvloop loop
+    d.wait_for_log("(loop uvloop)")  # gRPC (grpc.aio) shares the daemon's uvloop loop
     assert int(fields["get_hits"]) == len(every)
     assert int(fields["cmd_get"]) == sum(commands.values()) and fields["get_misses"] == "0"
 
@@ -133,5 +133,5 @@ def test_http_and_grpc_on_the_standard_asyncio_loop_too(daemons: DaemonFactory) 
     with grpc.insecure_channel(f"127.0.0.1:{grpc_port}") as channel:
         then = pb_grpc.GeneratorStub(channel).Fetch(pb.FetchRequest(), timeout=10).id
     assert first[0] < first[1] < then
-    assert "(loop asyncio)" in d.stderr()
+    d.wait_for_log("(loop asyncio)")
     assert d.stop() == 0

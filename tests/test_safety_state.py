@@ -88,7 +88,7 @@ def test_default_state_directory_is_made_private_and_logged(daemons: DaemonFacto
     d = daemons.start(worker_id=5, env={"STATE_DIRECTORY": f"{home}:/unused"})
     issued = ids(d, 20)
     assert stat.S_IMODE(home.stat().st_mode) == 0o700
-    assert f"); state file {home / 'worker-5.state'} ($STATE_DIRECTORY)\n" in d.stderr()  # the serving line
+    d.wait_for_log(f"); state file {home / 'worker-5.state'} ($STATE_DIRECTORY)\n")  # the serving line
     mark = int(stats(d)["state_file_high_water_ms"])
     d.stop(signal.SIGKILL)
     again = daemons.start(worker_id=5, env={"STATE_DIRECTORY": str(home)})

@@ -94,7 +94,7 @@ def test_ordinal_range_follows_the_layout() -> None:
 def test_daemon_takes_its_worker_id_from_the_hostname_and_logs_where_from(daemons: DaemonFactory) -> None:
     d = daemons.start("--worker-id-from", "ordinal", "--hostname", "katsubushi-5", worker_id=None)
     assert one_worker_id(d) == 5
-    assert "worker id 5 from hostname 'katsubushi-5' (ordinal 5 + offset 0)" in d.stderr()
+    d.wait_for_log("worker id 5 from hostname 'katsubushi-5' (ordinal 5 + offset 0)")
 
 
 def test_environment_forms_and_offset(daemons: DaemonFactory) -> None:
@@ -102,7 +102,7 @@ def test_environment_forms_and_offset(daemons: DaemonFactory) -> None:
         "--hostname", "ids-2", worker_id=None, env={"WORKER_ID_FROM": "ordinal", "WORKER_ID_OFFSET": "40"}
     )
     assert one_worker_id(d) == 42
-    assert "worker id 42 from hostname 'ids-2' (ordinal 2 + offset 40)" in d.stderr()
+    d.wait_for_log("worker id 42 from hostname 'ids-2' (ordinal 2 + offset 40)")
 
 
 def test_default_hostname_is_the_kernels(daemons: DaemonFactory) -> None:
