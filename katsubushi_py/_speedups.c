@@ -7,8 +7,10 @@
  *   GeneratorCore  twin of issuing/bucket.py PyGeneratorCore: the current millisecond's unused IDs
  *                  (next .. stop), valid until the monotonic instant end_ns. Taking an ID is a clock
  *                  read, a comparison and an increment, atomic because the GIL is held throughout.
- *                  Anything else (a new millisecond, the fence, the state file, waiting) is the
- *                  Python generator's _refill, reached through _next_id_slow / _next_ids_slow.
+ *                  A new millisecond that needs no decision is set here as the generator's _refill
+ *                  would set it (gen_roll, armed by that refill). Anything else (the fence, the state
+ *                  file, waiting) is the Python generator's _refill, reached through _next_id_slow /
+ *                  _next_ids_slow.
  *   Counters       twin of issuing/issuer.py PyCounters: commands and IDs as C integers.
  *   TextCore,      twins of the fast cases of TextConnection.receive and BinaryConnection.receive
  *   BinaryCore     (frontends/fastpath.py PyConnectionCore): complete GET/GETS lines (at most 128

@@ -14,6 +14,17 @@ typedef struct {
     long long next;   /* next unused ID of the bucket */
     long long stop;   /* one past the bucket's last ID */
     long long end_ns; /* monotonic ns at which the bucket stops being valid; -1: never valid */
+    long long last;   /* the generator's _last: offset (ms from the epoch) of the last bucket's millisecond */
+    /* The roll (gen_roll): what the generator's last _refill decided with, so that the next
+     * millisecond's bucket can be set here as that refill would set it. 0: disarmed (every change
+     * of the bucket from Python disarms it; only a completed _refill arms it). */
+    int roll;
+    int r_shift;        /* layout.time_shift */
+    long long r_anchor_mono, r_anchor_off; /* the generator's anchor */
+    long long r_worker; /* worker_id << worker_shift */
+    long long r_size;   /* IDs a millisecond */
+    long long r_limit;  /* the last millisecond the state file (or the layout) allows without a refill */
+    long long r_fence;  /* the lease fence, monotonic ns; LLONG_MAX: none */
     PyObject *mono_fn; /* NULL: CLOCK_MONOTONIC (what time.monotonic_ns reads); else an injected clock */
     /* The decimal text of the last ID formatted (digits_of; -1: none), so that the next consecutive
      * one is a count up, not 19 divisions. */
@@ -46,22 +57,64 @@ gen_now(GenCore *self, long long *out)
     return 0;
 }
 
-/* 1 if the bucket is valid now and holds at least k IDs, 0 if not, -1 on error. _set_bucket keeps
- * 0 <= next <= stop, and every take keeps next <= stop, so stop - next cannot overflow; it is checked
- * all the same, so that no state reachable by a bug can make it undefined. */
+/* The millisecond after the bucket's, set here without Python when the generator's _refill would
+ * set it without waiting for anything: a reading ``now`` before the fence, in a millisecond later than
+ * the last one handed out and not past the reserved limit. Then the bucket is exactly what _refill's
+ * last lines make of that reading (base, size, end cut at the fence) and ``last`` moves to it; in
+ * every other case (a clock behind or in the same millisecond, the fence, the state file's next
+ * window, a closed or switched generator, a reanchor) it returns 0 and the caller goes to Python,
+ * whose _refill decides. Only a finished _refill arms it, with the values it used; the generator
+ * disarms it first thing in _refill (so no bucket is set here while a refill waits with the GIL
+ * released) and whenever it changes the bucket, the fence or the worker id from Python.
+ * The pure twin has no roll: there _refill itself does this step, with the same result.
+ * 1 if the bucket was set, 0 if not. Nothing here can overflow: every step is checked. */
+static int
+gen_roll(GenCore *self, long long now)
+{
+    long long d, q, ms, base, stop, end, span;
+    if (!self->roll || now >= self->r_fence)
+        return 0;
+    if (__builtin_sub_overflow(now, self->r_anchor_mono, &d))
+        return 0;
+    q = d / 1000000;
+    if (d % 1000000 < 0)
+        q -= 1; /* Python's floor division, as _offset_at */
+    if (__builtin_add_overflow(self->r_anchor_off, q, &ms))
+        return 0;
+    if (ms <= self->last || ms > self->r_limit || ms < 0 || (ms >> (63 - self->r_shift)) != 0)
+        return 0;
+    base = (ms << self->r_shift) | self->r_worker;
+    if (__builtin_add_overflow(base, self->r_size, &stop))
+        return 0;
+    if (__builtin_sub_overflow(ms + 1, self->r_anchor_off, &span) || __builtin_mul_overflow(span, 1000000LL, &span) ||
+        __builtin_add_overflow(span, self->r_anchor_mono, &end))
+        return 0;
+    self->next = base;
+    self->stop = stop;
+    self->end_ns = end < self->r_fence ? end : self->r_fence;
+    self->last = ms;
+    return 1;
+}
+
+/* 1 if the bucket is valid now and holds at least k IDs (after rolling to a new millisecond if it
+ * had ended: gen_roll), 0 if not, -1 on error. _set_bucket keeps 0 <= next <= stop, and every take
+ * keeps next <= stop, so stop - next cannot overflow; it is checked all the same, so that no state
+ * reachable by a bug can make it undefined. */
 static int
 gen_has(GenCore *self, long long k)
 {
     long long now, left;
-    if (__builtin_sub_overflow(self->stop, self->next, &left) || left < k)
+    if ((__builtin_sub_overflow(self->stop, self->next, &left) || left < k) && !self->roll)
         return 0;
     if (gen_now(self, &now) < 0)
         return -1;
     /* An injected clock is Python and may have set another bucket meanwhile: count again, so that
      * next + k never passes stop (nor 2**63 - 1) whatever it did. */
-    if (__builtin_sub_overflow(self->stop, self->next, &left) || left < k)
-        return 0;
-    return now < self->end_ns;
+    if (!__builtin_sub_overflow(self->stop, self->next, &left) && left >= k && now < self->end_ns)
+        return 1;
+    if (now < self->end_ns || !gen_roll(self, now))
+        return 0; /* the millisecond's IDs used up, or Python must decide */
+    return self->stop - self->next >= k;
 }
 
 static PyObject *
@@ -71,6 +124,8 @@ GenCore_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
     if (self != NULL) {
         self->next = self->stop = 0;
         self->end_ns = -1;
+        self->last = -1;
+        self->roll = 0;
         self->mono_fn = NULL;
         self->digits_of = -1;
     }
@@ -207,6 +262,7 @@ GenCore_drop_bucket(GenCore *self, PyObject *Py_UNUSED(ignored))
 {
     self->next = self->stop = 0;
     self->end_ns = -1;
+    self->roll = 0;
     Py_RETURN_NONE;
 }
 
@@ -245,7 +301,69 @@ GenCore_set_end(GenCore *self, PyObject *value, void *closure)
     if (v == -1 && PyErr_Occurred())
         return -1;
     self->end_ns = v;
+    self->roll = 0;
     return 0;
+}
+
+static PyObject *
+GenCore_get_last(GenCore *self, void *closure)
+{
+    return PyLong_FromLongLong(self->last);
+}
+
+static int
+GenCore_set_last(GenCore *self, PyObject *value, void *closure)
+{
+    if (value == NULL) {
+        PyErr_SetString(PyExc_AttributeError, "cannot delete _last");
+        return -1;
+    }
+    long long v = PyLong_AsLongLong(value);
+    if (v == -1 && PyErr_Occurred())
+        return -1;
+    self->last = v;
+    return 0;
+}
+
+/* _arm_roll(anchor_mono, anchor_off, time_shift, worker_part, size, limit, fence_ns or None): what
+ * the generator's _refill just decided with (see gen_roll). */
+static PyObject *
+GenCore_arm_roll(GenCore *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    long long v[7];
+    if (nargs != 7) {
+        PyErr_SetString(PyExc_TypeError, "_arm_roll(anchor_mono, anchor_off, time_shift, worker_part, size, limit, fence)");
+        return NULL;
+    }
+    for (int i = 0; i < 7; i++) {
+        if (i == 6 && args[i] == Py_None) {
+            v[i] = LLONG_MAX;
+            continue;
+        }
+        v[i] = PyLong_AsLongLong(args[i]);
+        if (v[i] == -1 && PyErr_Occurred())
+            return NULL;
+    }
+    if (v[2] < 1 || v[2] > 62 || v[3] < 0 || v[3] >= (1LL << v[2]) || v[4] < 1) {
+        PyErr_SetString(PyExc_ValueError, "_arm_roll: time_shift in 1..62, 0 <= worker_part < 2**time_shift, size >= 1");
+        return NULL;
+    }
+    self->r_anchor_mono = v[0];
+    self->r_anchor_off = v[1];
+    self->r_shift = (int)v[2];
+    self->r_worker = v[3];
+    self->r_size = v[4];
+    self->r_limit = v[5];
+    self->r_fence = v[6];
+    self->roll = 1;
+    Py_RETURN_NONE;
+}
+
+static PyObject *
+GenCore_disarm_roll(GenCore *self, PyObject *Py_UNUSED(ignored))
+{
+    self->roll = 0;
+    Py_RETURN_NONE;
 }
 
 static PyMethodDef GenCore_methods[] = {
@@ -257,11 +375,14 @@ static PyMethodDef GenCore_methods[] = {
     {"_drop_bucket", (PyCFunction)GenCore_drop_bucket, METH_NOARGS, NULL},
     {"_bucket_left", (PyCFunction)GenCore_bucket_left, METH_NOARGS, NULL},
     {"_use_clock", (PyCFunction)GenCore_use_clock, METH_O, NULL},
+    {"_arm_roll", (PyCFunction)(void (*)(void))GenCore_arm_roll, METH_FASTCALL, NULL},
+    {"_disarm_roll", (PyCFunction)GenCore_disarm_roll, METH_NOARGS, NULL},
     {NULL},
 };
 
 static PyGetSetDef GenCore_getset[] = {
     {"_bucket_end_ns", (getter)GenCore_get_end, (setter)GenCore_set_end, NULL, NULL},
+    {"_last", (getter)GenCore_get_last, (setter)GenCore_set_last, NULL, NULL},
     {NULL},
 };
 

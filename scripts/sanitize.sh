@@ -26,7 +26,7 @@ pytest_bin=$(dirname "$(command -v "$python")")/pytest
 if [ $# -eq 0 ]; then
   set -- tests/test_splits.py tests/test_speedups.py tests/test_text_protocol.py tests/test_binary_protocol.py \
     tests/test_meta.py tests/test_http_protocol.py tests/test_socket_transport.py tests/test_tls_transport.py \
-    tests/test_tls_direct.py \
+    tests/test_tls_direct.py tests/test_generator_roll.py \
     tests/test_grpc_twins.py \
     tests/test_grpc_h2.py tests/test_fuzz_regressions.py -q -p no:cacheprovider \
     -k "not flood_of_settings_and_resets"

@@ -4,7 +4,10 @@
 its compiled twin with the same methods, and :class:`~.generator.Generator` derives from whichever
 :mod:`katsubushi_py.compiled` selects. Everything that is not "take the next ID of a valid bucket"
 (a new millisecond, the lease fence, the state file, waiting for the clock) is the generator's
-``_refill``, reached through ``_next_id_slow`` / ``_next_ids_slow`` under the generator's lock.
+``_refill``, reached through ``_next_id_slow`` / ``_next_ids_slow`` under the generator's lock. The
+compiled twin has one step more: when the bucket's millisecond has ended and the next one needs no
+decision (no wait, no fence, no state-file write), it sets that bucket itself, exactly as ``_refill``
+would (``_arm_roll``), so that a request a millisecond does not leave C; here ``_refill`` does it.
 
 Why this is thread-safe without a lock on the fast path: here the bucket is a ``range`` iterator, and
 ``next()`` on it is one atomic step under the GIL; in the compiled twin the whole fast path runs with
@@ -38,6 +41,23 @@ class PyGeneratorCore:
     def _drop_bucket(self) -> None:
         self._bucket_end_ns = -1
         self._bucket = iter(())
+
+    def _arm_roll(
+        self,
+        anchor_mono: int,
+        anchor_off: int,
+        time_shift: int,
+        worker_part: int,
+        size: int,
+        limit: int,
+        fence: int | None,
+    ) -> None:
+        """The compiled twin sets the next millisecond's bucket itself, as the generator's ``_refill``
+        would without waiting, with what that refill decided with; here ``_refill`` always does it
+        (under the generator's lock: a roll in Python would not be atomic), with the same result."""
+
+    def _disarm_roll(self) -> None:
+        """See :meth:`_arm_roll`."""
 
     def _bucket_left(self) -> int:
         return length_hint(self._bucket)

@@ -189,6 +189,7 @@ class Generator(_GeneratorCore):
         """Take the wall clock's current time as the generator's. If that is behind the last issued
         millisecond, later calls wait or fail as for any backwards clock; nothing is reissued."""
         with self._lock:
+            self._disarm_roll()
             self._anchor()
             self._bucket_end_ns = -1
 
@@ -257,7 +258,26 @@ class Generator(_GeneratorCore):
     # -- issuing ---------------------------------------------------------------------------------
     def _refill(self) -> None:
         """With the lock held: make the bucket hold unused IDs of the current millisecond, waiting
-        (bounded) when the last one is used up or the clock is behind.
+        (bounded) when the last one is used up or the clock is behind (:meth:`_refill_bucket`).
+
+        The compiled core may then set the following milliseconds' buckets itself, as this method
+        would without waiting (``gen_roll`` in ``_speedups_generator.h``), until something changes
+        what it decided with: so the roll is disarmed first (nothing may set a bucket while this
+        waits with the GIL released, nor after it failed) and armed again with the values used."""
+        self._disarm_roll()
+        self._refill_bucket()
+        self._arm_roll(
+            self._anchor_mono,
+            self._anchor_off,
+            self._time_shift,
+            self._worker_part,
+            self._bucket_size,
+            self._limit,
+            self._fence_ns,
+        )
+
+    def _refill_bucket(self) -> None:
+        """:meth:`_refill`'s decisions.
 
         One monotonic reading decides both whether the lease fence allows issuing and which
         millisecond the bucket is for, so a pause anywhere (GC, SIGSTOP, a VM freeze) cannot slip a
@@ -371,6 +391,7 @@ class Generator(_GeneratorCore):
         fail with :class:`LeaseNotConfirmedError` and ``reason`` (default: "worker id lease not
         confirmed"). The current bucket is cut at the deadline, so the check costs the fast path nothing."""
         with self._lock:
+            self._disarm_roll()  # the compiled core's next milliseconds were cut at the old fence
             self._fence_ns = deadline_ns
             self._fence_reason = reason
             if deadline_ns is not None:
@@ -400,6 +421,7 @@ class Generator(_GeneratorCore):
                     " refusing to guess which IDs were issued under it"
                 )
         with self._lock:
+            self._disarm_roll()  # first: nothing may roll on with the old worker id meanwhile
             if state_file is not None:
                 self._retire_state()
                 self._state = state_file
@@ -415,6 +437,7 @@ class Generator(_GeneratorCore):
         """Stop issuing under the current worker id (fenced until the next :meth:`set_fence`): store the
         last millisecond issued in its state file, and let the file go for another daemon."""
         with self._lock:
+            self._disarm_roll()
             self._fence_ns = 0
             self._fence_reason = reason
             self._drop_bucket()
@@ -453,6 +476,7 @@ class Generator(_GeneratorCore):
         with self._lock:
             if self._closed:
                 return
+            self._disarm_roll()
             self._closed = True
             self._drop_bucket()
             state = self._state
