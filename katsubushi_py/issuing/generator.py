@@ -93,7 +93,8 @@ class Generator(_GeneratorCore):
     millisecond ends (or the lease fence, if sooner). ``next_id`` compares one clock reading with that
     instant and takes the next ID, atomically under the GIL and without a lock. Everything else (a
     new millisecond, a used-up one, a clock behind, a state-file reservation) happens under a lock in
-    :meth:`_refill`. On a free-threaded CPython every ID takes the lock.
+    :meth:`_refill`; the compiled core also sets a new millisecond's bucket itself when that refill
+    would decide nothing, as :meth:`_refill` arms it to. On a free-threaded CPython every ID takes the lock.
     """
 
     def __init__(
