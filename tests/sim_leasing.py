@@ -84,7 +84,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from sim_faults import Faults
 from sim_model import Config, Violation
 from sim_planted import PLANTED_BUGS, planted_bug
-from sim_redis import Backend
+from sim_redis_backend import Backend
 from sim_world import Result, Simulation
 
 __all__ = ["PLANTED_BUGS", "Config", "Faults", "Result", "Simulation", "Violation", "main", "planted_bug", "run_seeds"]
