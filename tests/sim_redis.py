@@ -12,10 +12,16 @@ RESTOREing them, after its own lag, and ``WAIT`` counts the connected replicas t
 writer's last write), snapshots (a restart loads the master's state as of some moment: an RDB older than
 the ttl, the last second lost by an AOF, nothing, or everything), Sentinel (which node the daemons'
 finders name), pauses of a node (requests wait, then run), and the network between each daemon and each
-node (latency, lost requests and lost replies, partitions). The daemons' side of the connection is
-:class:`SimClient`, a stand-in for redis-py's asyncio client with exactly the calls ``leasing/link.py``
-makes, and :class:`SimFinder`, for ``leasing/nodes.py``'s finder: the keeper, its link and its holder
-are the production code.
+node (latency, lost requests and lost replies, partitions).
+
+**The daemons' side** of the connection is in sim_redis_client.py: ``SimClient``, a stand-in for
+redis-py's asyncio client with exactly the calls ``leasing/link.py`` makes, and ``SimFinder``, for
+``leasing/nodes.py``'s finder. The client hands its requests to :meth:`RedisWorld.send` (replies come
+back through :func:`settle`) and its subscriptions to ``RedisWorld.subscriptions``; the finder asks
+:meth:`RedisWorld.master_for`. The keeper, its link and its holder are the production code.
+
+Three modules so that each can be read alone: the world follows what Redis does, the client follows
+redis-py's interface as the production code uses it, and the backend is the one part that is not a model.
 """
 
 from __future__ import annotations
@@ -27,10 +33,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from redis.asyncio.sentinel import MasterNotFoundError
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
-from redis.exceptions import TimeoutError as RedisTimeoutError
 from sim_loop import ROOT, VirtualLoop
 from sim_redis_backend import ENV_KEY, SCRIPT_NAMES, Backend
 
@@ -96,7 +100,10 @@ class Conn:
 
 
 @dataclass
-class _Subscription:
+class Subscription:
+    """A client's SUBSCRIBE on one node (sim_redis_client.py's pubsub): the world delivers messages into
+    ``queue``, or to ``waiter`` when a ``get_message`` waits."""
+
     node: Node
     generation: int
     channel: bytes
@@ -116,7 +123,7 @@ class RedisWorld:
         self.base = base  # the unix time that true time 0 is
         self.nodes: list[Node] = []
         self.master: Node | None = None  # the node Sentinel names (None while it names none)
-        self.subscriptions: list[_Subscription] = []
+        self.subscriptions: list[Subscription] = []
         # Per process: (the node it is stuck with in a partition, or None), and its network outages.
         self.pinned: dict[Any, Node] = {}
         self.partitioned: Node | None = None  # the old master on the far side of a partition
@@ -335,7 +342,7 @@ class RedisWorld:
         delay = self.latency()
         if self.rng.random() < self.slow_rate:
             delay += self.rng.uniform(0.2, 1.5)
-        self.loop.call_at(self.loop.now + delay, _settle, fut, value, context=ROOT)
+        self.loop.call_at(self.loop.now + delay, settle, fut, value, context=ROOT)
 
     def _arrive(self, process: Any, conn: Conn, commands: list[tuple[Any, ...]], fut: asyncio.Future[Any]) -> None:
         node = conn.node
@@ -407,7 +414,7 @@ class RedisWorld:
                 message = {"type": "message", "pattern": None, "channel": channel, "data": data}
                 self.loop.call_at(self.loop.now + self.latency(), self._deliver, sub, message, context=ROOT)
 
-    def _deliver(self, sub: _Subscription, message: dict[str, Any]) -> None:
+    def _deliver(self, sub: Subscription, message: dict[str, Any]) -> None:
         if sub.broken:
             return
         if sub.waiter is not None and not sub.waiter.done():
@@ -415,169 +422,18 @@ class RedisWorld:
         else:
             sub.queue.append(message)
 
-    def _break(self, sub: _Subscription) -> None:
+    def _break(self, sub: Subscription) -> None:
         sub.broken = True
         if sub.waiter is not None and not sub.waiter.done():
             sub.waiter.set_exception(RedisConnectionError("Connection closed by server."))
 
 
-def _settle(fut: asyncio.Future[Any], value: Any) -> None:
+def settle(fut: asyncio.Future[Any], value: Any) -> None:
+    """Settle a client's pending future with ``value`` (an exception is raised in it), unless it is settled
+    already (a request timed out, a message arrived before a ``get_message`` timed out)."""
     if fut.done():
         return
     if isinstance(value, BaseException):
         fut.set_exception(value)
     else:
         fut.set_result(value)
-
-
-def _expire(fut: asyncio.Future[Any], message: str) -> None:
-    if not fut.done():
-        fut.set_exception(RedisTimeoutError(message))
-
-
-class SimClient:
-    """A connection to one node, with the calls ``leasing/link.py`` makes of redis-py's asyncio client."""
-
-    def __init__(self, world: RedisWorld, process: Any, node: Node, timeout: float) -> None:
-        self.world = world
-        self.process = process
-        self.node = node
-        self.timeout = timeout
-        self.conn: Conn | None = None
-        self.connection_pool = _SimPool(self)
-
-    async def connect(self) -> None:
-        world, node = self.world, self.node
-        if world.blocked(self.process, node):
-            await asyncio.sleep(self.timeout)
-            raise RedisTimeoutError("Timeout connecting to server")
-        await asyncio.sleep(2 * world.latency())
-        if not node.up:
-            raise RedisConnectionError(f"Error 111 connecting to {node.address}. Connection refused.")
-        node.client_ids += 1
-        self.conn = Conn(node, node.generation, node.client_ids)
-
-    async def round_trip(self, commands: list[tuple[Any, ...]]) -> list[Any]:
-        if self.conn is None:
-            await self.connect()
-        assert self.conn is not None
-        loop = self.world.loop
-        fut: asyncio.Future[Any] = loop.create_future()
-        self.world.send(self.process, self.conn, commands, fut)
-        timer = loop.call_at(loop.now + self.timeout, _expire, fut, "Timeout reading from socket", context=ROOT)
-        try:
-            replies: list[Any] = await fut
-        except (RedisTimeoutError, RedisConnectionError):
-            self.conn = None  # redis-py disconnects after either
-            raise
-        finally:
-            timer.cancel()
-        for reply in replies:
-            if isinstance(reply, Exception):
-                raise reply
-        return replies
-
-    def pipeline(self, transaction: bool = False) -> _SimPipeline:
-        return _SimPipeline(self)
-
-    async def execute_command(self, *args: Any) -> Any:
-        return (await self.round_trip([args]))[0]
-
-    async def time(self) -> tuple[int, int]:
-        result: tuple[int, int] = (await self.round_trip([("TIME",)]))[0]
-        return result
-
-    def pubsub(self) -> _SimPubSub:
-        return _SimPubSub(self)
-
-    async def aclose(self) -> None:
-        self.conn = None
-
-
-class _SimPool:
-    def __init__(self, client: SimClient) -> None:
-        self.client = client
-
-    async def get_connection(self, *args: Any) -> Conn:
-        if self.client.conn is None:
-            await self.client.connect()
-        assert self.client.conn is not None
-        return self.client.conn
-
-    async def release(self, connection: Conn) -> None:
-        return None
-
-
-class _SimPipeline:
-    def __init__(self, client: SimClient) -> None:
-        self.client = client
-        self.commands: list[tuple[Any, ...]] = []
-
-    def eval(self, script: str, numkeys: int, *keys_and_args: Any) -> _SimPipeline:
-        self.commands.append(("EVAL", script, numkeys, *keys_and_args))
-        return self
-
-    def execute_command(self, *args: Any) -> _SimPipeline:
-        self.commands.append(args)
-        return self
-
-    async def execute(self, raise_on_error: bool = True) -> list[Any]:
-        return await self.client.round_trip(self.commands)
-
-
-class _SimPubSub:
-    def __init__(self, client: SimClient) -> None:
-        self.client = client
-        self.sub: _Subscription | None = None
-
-    async def subscribe(self, channel: str) -> None:
-        client = self.client
-        if client.conn is None:
-            await client.connect()
-        assert client.conn is not None
-        self.sub = _Subscription(client.node, client.conn.generation, channel.encode())
-        client.world.subscriptions.append(self.sub)
-
-    async def get_message(self, ignore_subscribe_messages: bool = True, timeout: float = 0.0) -> Any:
-        sub = self.sub
-        if sub is None or sub.broken:
-            raise RedisConnectionError("Connection closed by server.")
-        if sub.queue:
-            return sub.queue.pop(0)
-        loop = self.client.world.loop
-        fut: asyncio.Future[Any] = loop.create_future()
-        sub.waiter = fut
-        timer = loop.call_at(loop.now + timeout, _settle, fut, None, context=ROOT)
-        try:
-            return await fut
-        finally:
-            timer.cancel()
-            sub.waiter = None
-
-    async def aclose(self) -> None:
-        if self.sub is not None:
-            self.sub.broken = True
-            if self.sub in self.client.world.subscriptions:
-                self.client.world.subscriptions.remove(self.sub)
-            self.sub = None
-
-
-class SimFinder:
-    """``leasing/nodes.py``'s NodeFinder for the simulation: the node Sentinel names (or, in a
-    partition, the old master this process is stuck with)."""
-
-    def __init__(self, world: RedisWorld, process: Any, timeout: float) -> None:
-        self.world = world
-        self.process = process
-        self.timeout = timeout
-
-    async def connect(self) -> tuple[SimClient, str]:
-        world = self.world
-        node = world.master_for(self.process)
-        await asyncio.sleep(2 * world.latency())
-        if node is None:
-            raise MasterNotFoundError("No master found for 'sim'")
-        return SimClient(world, self.process, node, self.timeout), node.address
-
-    async def aclose(self) -> None:
-        return None
