@@ -60,8 +60,9 @@ trace and of the IDs issued; tests/test_sim_leasing.py checks a seed gives the s
 **Layout**: this file is the entry point (the command line above, and ``run_seeds`` and the names
 tests/test_sim_leasing.py imports); the simulator is split by concern so that each part can be read
 alone: sim_loop.py (the virtual clock and event loop, host clocks), sim_redis.py (Redis around the real
-scripts), sim_model.py (a world's configuration, hosts and daemons), sim_world.py (one world: building
-it, running its daemons, the guards, the steps), sim_faults.py (the faults and their schedule),
+scripts; the scripts and the redis-server they run in are sim_redis_backend.py, the daemons' redis-py side
+sim_redis_client.py), sim_model.py (a world's configuration, hosts and daemons), sim_world.py (one world:
+building it, running its daemons, the guards, the steps), sim_faults.py (the faults and their schedule),
 sim_checker.py (the invariants) and sim_planted.py (the bugs planted on purpose).
 """
 
@@ -84,7 +85,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from sim_faults import Faults
 from sim_model import Config, Violation
 from sim_planted import PLANTED_BUGS, planted_bug
-from sim_redis import Backend
+from sim_redis_backend import Backend
 from sim_world import Result, Simulation
 
 __all__ = ["PLANTED_BUGS", "Config", "Faults", "Result", "Simulation", "Violation", "main", "planted_bug", "run_seeds"]

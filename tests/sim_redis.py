@@ -1,26 +1,27 @@
-"""The simulator's Redis: the real lease scripts run by a real redis-server, with what Redis itself
-would do around them (its clock, its identity, replicas, restarts, failovers, the network) modelled.
+"""The simulator's Redis: what Redis itself would do around the real lease scripts (its clock, its
+identity, replicas, restarts, failovers, the network), modelled.
 
-**What is real.** Every lease script the daemons send runs, as written in
-``katsubushi_py/leasing/scripts.py``, in a real redis-server (one database per simulated node), so
-every record check, quarantine and doubt window is Redis's own Lua and Redis's own data structures. The
-scripts read their environment in exactly three places, ``redis.call('TIME')``, ``redis.call('INFO',
-'server')`` and ``redis.call('INFO', 'replication')``; :func:`simulated` replaces those three calls
-(and nothing else: tests/test_sim_leasing.py checks it) by reads of a hash the simulator writes before
-each script, holding the node's simulated clock and the backend's real INFO text with the node's
-simulated ``run_id``, ``master_replid`` and ``connected_slaves``. The rest of each script is byte for
-byte the production one.
+**What is real** is in sim_redis_backend.py: every lease script the daemons send runs, as written in
+``katsubushi_py/leasing/scripts.py``, in a real redis-server (one database per simulated node), with its
+three reads of Redis's clock and identity (``TIME`` and ``INFO``) answered from the simulated node's.
 
-**What is modelled.** A node's clock (true time plus an offset that steps), its identity (a new
-``run_id`` on every start, a new ``master_replid`` on every promotion), replication (after every write
-the master's six keys are DUMPed; a replica applies a write by RESTOREing them, after its own lag, and
-``WAIT`` counts the connected replicas that have applied the writer's last write), snapshots (a restart
-loads the master's state as of some moment: an RDB older than the ttl, the last second lost by an AOF,
-nothing, or everything), Sentinel (which node the daemons' finders name), pauses of a node (requests
-wait, then run), and the network between each daemon and each node (latency, lost requests and lost
-replies, partitions). The daemons' side of the connection is :class:`SimClient`, a stand-in for
-redis-py's asyncio client with exactly the calls ``leasing/link.py`` makes, and :class:`SimFinder`,
-for ``leasing/nodes.py``'s finder: the keeper, its link and its holder are the production code.
+**What is modelled** is here, in :class:`RedisWorld`: a node's clock (true time plus an offset that
+steps), its identity (a new ``run_id`` on every start, a new ``master_replid`` on every promotion),
+replication (after every write the master's six keys are DUMPed; a replica applies a write by
+RESTOREing them, after its own lag, and ``WAIT`` counts the connected replicas that have applied the
+writer's last write), snapshots (a restart loads the master's state as of some moment: an RDB older than
+the ttl, the last second lost by an AOF, nothing, or everything), Sentinel (which node the daemons'
+finders name), pauses of a node (requests wait, then run), and the network between each daemon and each
+node (latency, lost requests and lost replies, partitions).
+
+**The daemons' side** of the connection is in sim_redis_client.py: ``SimClient``, a stand-in for
+redis-py's asyncio client with exactly the calls ``leasing/link.py`` makes, and ``SimFinder``, for
+``leasing/nodes.py``'s finder. The client hands its requests to :meth:`RedisWorld.send` (replies come
+back through :func:`settle`) and its subscriptions to ``RedisWorld.subscriptions``; the finder asks
+:meth:`RedisWorld.master_for`. The keeper, its link and its holder are the production code.
+
+Three modules so that each can be read alone: the world follows what Redis does, the client follows
+redis-py's interface as the production code uses it, and the backend is the one part that is not a model.
 """
 
 from __future__ import annotations
@@ -28,86 +29,16 @@ from __future__ import annotations
 import asyncio
 import math
 import random
-import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-import redis
-from redis.asyncio.sentinel import MasterNotFoundError
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
-from redis.exceptions import TimeoutError as RedisTimeoutError
 from sim_loop import ROOT, VirtualLoop
+from sim_redis_backend import ENV_KEY, SCRIPT_NAMES, Backend
 
 from katsubushi_py.leasing import scripts as lease_scripts
-
-SCRIPT_NAMES = (
-    "INIT_LUA",
-    "ACQUIRE_LUA",
-    "RENEW_LUA",
-    "RELEASE_LUA",
-    "IDENTITY_LUA",
-    "REPLICAS_LUA",
-    "ACQUIRE_COUNTED_LUA",
-    "RENEW_COUNTED_LUA",
-)
-ENV_KEY = "sim:env"
-# The scripts' only reads of their environment, and what the simulation reads instead.
-SUBSTITUTIONS = (
-    ("redis.call('TIME')", f"redis.call('HMGET', '{ENV_KEY}', 's', 'us')"),
-    ("redis.call('INFO', 'server')", f"redis.call('HGET', '{ENV_KEY}', 'server')"),
-    ("redis.call('INFO', 'replication')", f"redis.call('HGET', '{ENV_KEY}', 'replication')"),
-)
-
-
-def simulated(script: str) -> str:
-    """The script with its reads of Redis's clock and identity replaced by reads of the simulated ones."""
-    out = script
-    for real, sim in SUBSTITUTIONS:
-        out = out.replace(real, sim)
-    leftover = re.findall(r"redis\.call\('(TIME|INFO)'", out)
-    if leftover:
-        raise AssertionError(f"the script reads {leftover} in a way the simulation does not replace")
-    return out
-
-
-class Backend:
-    """The real redis-server the scripts run in (a unix socket): one database per simulated node."""
-
-    def __init__(self, socket_path: str) -> None:
-        self.socket_path = socket_path
-        self._clients: dict[int, redis.Redis] = {}
-        self.sha: dict[str, str] = {}
-        first = self.client(0)
-        for name in SCRIPT_NAMES:
-            text = getattr(lease_scripts, name)
-            self.sha[text] = first.script_load(simulated(text))
-        # The INFO sections as this redis-server writes them: a simulated node's differ only in the values
-        # the simulation controls.
-        self.info_server = first.eval("return redis.call('INFO', 'server')", 0).decode()
-        self.info_replication = first.eval("return redis.call('INFO', 'replication')", 0).decode()
-        for pattern in (r"\brun_id:[0-9a-f]+", r"\bmaster_replid:[0-9a-f]+", r"\bconnected_slaves:\d+"):
-            if not re.search(pattern, self.info_server + self.info_replication):
-                raise AssertionError(f"redis-server's INFO has no {pattern}")
-
-    def client(self, db: int) -> redis.Redis:
-        client = self._clients.get(db)
-        if client is None:
-            client = self._clients[db] = redis.Redis(unix_socket_path=self.socket_path, db=db, socket_timeout=30)
-        return client
-
-    def info(self, run_id: str, replid: str, replicas: int) -> tuple[str, str]:
-        server = re.sub(r"\brun_id:[0-9a-f]+", f"run_id:{run_id}", self.info_server)
-        replication = re.sub(r"\bmaster_replid:[0-9a-f]+", f"master_replid:{replid}", self.info_replication)
-        replication = re.sub(r"\bconnected_slaves:\d+", f"connected_slaves:{replicas}", replication)
-        return server, replication
-
-    def close(self) -> None:
-        for client in self._clients.values():
-            client.close()
-        self._clients.clear()
-
 
 Dumps = tuple[bytes | None, ...]
 
@@ -169,7 +100,10 @@ class Conn:
 
 
 @dataclass
-class _Subscription:
+class Subscription:
+    """A client's SUBSCRIBE on one node (sim_redis_client.py's pubsub): the world delivers messages into
+    ``queue``, or to ``waiter`` when a ``get_message`` waits."""
+
     node: Node
     generation: int
     channel: bytes
@@ -189,7 +123,7 @@ class RedisWorld:
         self.base = base  # the unix time that true time 0 is
         self.nodes: list[Node] = []
         self.master: Node | None = None  # the node Sentinel names (None while it names none)
-        self.subscriptions: list[_Subscription] = []
+        self.subscriptions: list[Subscription] = []
         # Per process: (the node it is stuck with in a partition, or None), and its network outages.
         self.pinned: dict[Any, Node] = {}
         self.partitioned: Node | None = None  # the old master on the far side of a partition
@@ -408,7 +342,7 @@ class RedisWorld:
         delay = self.latency()
         if self.rng.random() < self.slow_rate:
             delay += self.rng.uniform(0.2, 1.5)
-        self.loop.call_at(self.loop.now + delay, _settle, fut, value, context=ROOT)
+        self.loop.call_at(self.loop.now + delay, settle, fut, value, context=ROOT)
 
     def _arrive(self, process: Any, conn: Conn, commands: list[tuple[Any, ...]], fut: asyncio.Future[Any]) -> None:
         node = conn.node
@@ -480,7 +414,7 @@ class RedisWorld:
                 message = {"type": "message", "pattern": None, "channel": channel, "data": data}
                 self.loop.call_at(self.loop.now + self.latency(), self._deliver, sub, message, context=ROOT)
 
-    def _deliver(self, sub: _Subscription, message: dict[str, Any]) -> None:
+    def _deliver(self, sub: Subscription, message: dict[str, Any]) -> None:
         if sub.broken:
             return
         if sub.waiter is not None and not sub.waiter.done():
@@ -488,169 +422,18 @@ class RedisWorld:
         else:
             sub.queue.append(message)
 
-    def _break(self, sub: _Subscription) -> None:
+    def _break(self, sub: Subscription) -> None:
         sub.broken = True
         if sub.waiter is not None and not sub.waiter.done():
             sub.waiter.set_exception(RedisConnectionError("Connection closed by server."))
 
 
-def _settle(fut: asyncio.Future[Any], value: Any) -> None:
+def settle(fut: asyncio.Future[Any], value: Any) -> None:
+    """Settle a client's pending future with ``value`` (an exception is raised in it), unless it is settled
+    already (a request timed out, a message arrived before a ``get_message`` timed out)."""
     if fut.done():
         return
     if isinstance(value, BaseException):
         fut.set_exception(value)
     else:
         fut.set_result(value)
-
-
-def _expire(fut: asyncio.Future[Any], message: str) -> None:
-    if not fut.done():
-        fut.set_exception(RedisTimeoutError(message))
-
-
-class SimClient:
-    """A connection to one node, with the calls ``leasing/link.py`` makes of redis-py's asyncio client."""
-
-    def __init__(self, world: RedisWorld, process: Any, node: Node, timeout: float) -> None:
-        self.world = world
-        self.process = process
-        self.node = node
-        self.timeout = timeout
-        self.conn: Conn | None = None
-        self.connection_pool = _SimPool(self)
-
-    async def connect(self) -> None:
-        world, node = self.world, self.node
-        if world.blocked(self.process, node):
-            await asyncio.sleep(self.timeout)
-            raise RedisTimeoutError("Timeout connecting to server")
-        await asyncio.sleep(2 * world.latency())
-        if not node.up:
-            raise RedisConnectionError(f"Error 111 connecting to {node.address}. Connection refused.")
-        node.client_ids += 1
-        self.conn = Conn(node, node.generation, node.client_ids)
-
-    async def round_trip(self, commands: list[tuple[Any, ...]]) -> list[Any]:
-        if self.conn is None:
-            await self.connect()
-        assert self.conn is not None
-        loop = self.world.loop
-        fut: asyncio.Future[Any] = loop.create_future()
-        self.world.send(self.process, self.conn, commands, fut)
-        timer = loop.call_at(loop.now + self.timeout, _expire, fut, "Timeout reading from socket", context=ROOT)
-        try:
-            replies: list[Any] = await fut
-        except (RedisTimeoutError, RedisConnectionError):
-            self.conn = None  # redis-py disconnects after either
-            raise
-        finally:
-            timer.cancel()
-        for reply in replies:
-            if isinstance(reply, Exception):
-                raise reply
-        return replies
-
-    def pipeline(self, transaction: bool = False) -> _SimPipeline:
-        return _SimPipeline(self)
-
-    async def execute_command(self, *args: Any) -> Any:
-        return (await self.round_trip([args]))[0]
-
-    async def time(self) -> tuple[int, int]:
-        result: tuple[int, int] = (await self.round_trip([("TIME",)]))[0]
-        return result
-
-    def pubsub(self) -> _SimPubSub:
-        return _SimPubSub(self)
-
-    async def aclose(self) -> None:
-        self.conn = None
-
-
-class _SimPool:
-    def __init__(self, client: SimClient) -> None:
-        self.client = client
-
-    async def get_connection(self, *args: Any) -> Conn:
-        if self.client.conn is None:
-            await self.client.connect()
-        assert self.client.conn is not None
-        return self.client.conn
-
-    async def release(self, connection: Conn) -> None:
-        return None
-
-
-class _SimPipeline:
-    def __init__(self, client: SimClient) -> None:
-        self.client = client
-        self.commands: list[tuple[Any, ...]] = []
-
-    def eval(self, script: str, numkeys: int, *keys_and_args: Any) -> _SimPipeline:
-        self.commands.append(("EVAL", script, numkeys, *keys_and_args))
-        return self
-
-    def execute_command(self, *args: Any) -> _SimPipeline:
-        self.commands.append(args)
-        return self
-
-    async def execute(self, raise_on_error: bool = True) -> list[Any]:
-        return await self.client.round_trip(self.commands)
-
-
-class _SimPubSub:
-    def __init__(self, client: SimClient) -> None:
-        self.client = client
-        self.sub: _Subscription | None = None
-
-    async def subscribe(self, channel: str) -> None:
-        client = self.client
-        if client.conn is None:
-            await client.connect()
-        assert client.conn is not None
-        self.sub = _Subscription(client.node, client.conn.generation, channel.encode())
-        client.world.subscriptions.append(self.sub)
-
-    async def get_message(self, ignore_subscribe_messages: bool = True, timeout: float = 0.0) -> Any:
-        sub = self.sub
-        if sub is None or sub.broken:
-            raise RedisConnectionError("Connection closed by server.")
-        if sub.queue:
-            return sub.queue.pop(0)
-        loop = self.client.world.loop
-        fut: asyncio.Future[Any] = loop.create_future()
-        sub.waiter = fut
-        timer = loop.call_at(loop.now + timeout, _settle, fut, None, context=ROOT)
-        try:
-            return await fut
-        finally:
-            timer.cancel()
-            sub.waiter = None
-
-    async def aclose(self) -> None:
-        if self.sub is not None:
-            self.sub.broken = True
-            if self.sub in self.client.world.subscriptions:
-                self.client.world.subscriptions.remove(self.sub)
-            self.sub = None
-
-
-class SimFinder:
-    """``leasing/nodes.py``'s NodeFinder for the simulation: the node Sentinel names (or, in a
-    partition, the old master this process is stuck with)."""
-
-    def __init__(self, world: RedisWorld, process: Any, timeout: float) -> None:
-        self.world = world
-        self.process = process
-        self.timeout = timeout
-
-    async def connect(self) -> tuple[SimClient, str]:
-        world = self.world
-        node = world.master_for(self.process)
-        await asyncio.sleep(2 * world.latency())
-        if node is None:
-            raise MasterNotFoundError("No master found for 'sim'")
-        return SimClient(world, self.process, node, self.timeout), node.address
-
-    async def aclose(self) -> None:
-        return None

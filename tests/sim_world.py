@@ -31,7 +31,9 @@ from sim_checker import Checker
 from sim_faults import Faults
 from sim_loop import PROCESS, ROOT, SIM_TIME, HostClock, VirtualLoop
 from sim_model import BASE_UNIX, Config, Host, Process, Violation
-from sim_redis import Backend, RedisWorld, SimFinder
+from sim_redis import RedisWorld
+from sim_redis_backend import Backend
+from sim_redis_client import SimFinder
 
 import katsubushi_py.leasing as leasing_pkg
 from katsubushi_py.issuing.errors import GenerationError

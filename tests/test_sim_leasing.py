@@ -14,7 +14,7 @@ from collections import Counter
 
 import pytest
 from sim_leasing import PLANTED_BUGS, Faults, Result, planted_bug, run_seeds
-from sim_redis import SCRIPT_NAMES, SUBSTITUTIONS, simulated
+from sim_redis_backend import SCRIPT_NAMES, SUBSTITUTIONS, simulated
 
 from katsubushi_py.issuing.generator import Generator
 from katsubushi_py.leasing import scripts as lease_scripts
