@@ -71,3 +71,21 @@ def test_chart_is_drawn_from_recorded_results(tmp_path: Path) -> None:
         timeout=120,
     )
     assert (tmp_path / "c.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.once
+@pytest.mark.skipif(not shutil.which("memcached"), reason="memcached is not installed (apt-get install memcached)")
+@pytest.mark.skipif(not shutil.which("openssl"), reason="openssl is missing (the certificates)")
+def test_sparse_bench_runs_end_to_end() -> None:
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "sparse_bench.py"), "--quick"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    lines = result.stdout.splitlines()
+    for mode in ("plain", "TLS"):
+        row = next(line for line in lines if line.startswith(f"| {mode} |"))
+        ours, memcached, ratio = (cell.strip() for cell in row.split("|")[2:5])
+        assert float(ours) > 0 and float(memcached) > 0 and ratio.endswith("x"), row
