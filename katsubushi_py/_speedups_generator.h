@@ -284,44 +284,38 @@ GenCore_use_clock(GenCore *self, PyObject *fn)
     Py_RETURN_NONE;
 }
 
+/* _bucket_end_ns and _last: long long fields Python reads and writes (the closure says which). Writing
+ * the bucket's end disarms the roll: whoever moves it from Python decides the next bucket too. */
+typedef struct {
+    const char *name;
+    Py_ssize_t offset;
+    int disarms;
+} GenField;
+
+static GenField field_end = {"_bucket_end_ns", offsetof(GenCore, end_ns), 1};
+static GenField field_last = {"_last", offsetof(GenCore, last), 0};
+
 static PyObject *
-GenCore_get_end(GenCore *self, void *closure)
+GenCore_get_field(GenCore *self, void *closure)
 {
-    return PyLong_FromLongLong(self->end_ns);
+    GenField *f = closure;
+    return PyLong_FromLongLong(*(long long *)((char *)self + f->offset));
 }
 
 static int
-GenCore_set_end(GenCore *self, PyObject *value, void *closure)
+GenCore_set_field(GenCore *self, PyObject *value, void *closure)
 {
+    GenField *f = closure;
     if (value == NULL) {
-        PyErr_SetString(PyExc_AttributeError, "cannot delete _bucket_end_ns");
+        PyErr_Format(PyExc_AttributeError, "cannot delete %s", f->name);
         return -1;
     }
     long long v = PyLong_AsLongLong(value);
     if (v == -1 && PyErr_Occurred())
         return -1;
-    self->end_ns = v;
-    self->roll = 0;
-    return 0;
-}
-
-static PyObject *
-GenCore_get_last(GenCore *self, void *closure)
-{
-    return PyLong_FromLongLong(self->last);
-}
-
-static int
-GenCore_set_last(GenCore *self, PyObject *value, void *closure)
-{
-    if (value == NULL) {
-        PyErr_SetString(PyExc_AttributeError, "cannot delete _last");
-        return -1;
-    }
-    long long v = PyLong_AsLongLong(value);
-    if (v == -1 && PyErr_Occurred())
-        return -1;
-    self->last = v;
+    *(long long *)((char *)self + f->offset) = v;
+    if (f->disarms)
+        self->roll = 0;
     return 0;
 }
 
@@ -381,8 +375,8 @@ static PyMethodDef GenCore_methods[] = {
 };
 
 static PyGetSetDef GenCore_getset[] = {
-    {"_bucket_end_ns", (getter)GenCore_get_end, (setter)GenCore_set_end, NULL, NULL},
-    {"_last", (getter)GenCore_get_last, (setter)GenCore_set_last, NULL, NULL},
+    {"_bucket_end_ns", (getter)GenCore_get_field, (setter)GenCore_set_field, NULL, &field_end},
+    {"_last", (getter)GenCore_get_field, (setter)GenCore_set_field, NULL, &field_last},
     {NULL},
 };
 
