@@ -1,6 +1,7 @@
 """The ``katsubushi-py lease`` tools' side of a pool: creating one (``lease init``) and one consistent
 read of it, judged by Redis TIME, with the Redis it is served by now against the one it was last written
-under (a restart or failover that no daemon has touched the pool since shows as a mismatch)."""
+under (a restart or failover that no daemon has touched the pool since shows as a mismatch); and the
+pool's own range, which a daemon waiting for a free id names (:func:`searched_range`)."""
 
 from __future__ import annotations
 
