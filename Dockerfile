@@ -1,6 +1,6 @@
 # katsubushi-py: the wheel built from this checkout, with its compiled hot path, on a slim Python base,
 # as a numeric non-root user.
-#   docker build -t katsubushi-py .
+#   docker build -t katsubushi-py:1.0.0 -t katsubushi-py .
 #   docker run -d --name ids -p 127.0.0.1:11212:11212 -e WORKER_ID=1 -v katsubushi-data:/data katsubushi-py
 # The README's Docker section has the rest (user networks, worker ids, the health check).
 

@@ -308,7 +308,15 @@ def cmd_serve(argv: Sequence[str]) -> int:
 
 def cmd_health(argv: Sequence[str]) -> int:
     """Fetch one ID from the daemon that the same flags and environment describe; exit 0 or 1."""
-    from .health import HealthError, daemon_arguments, fetch_one_id, read_process, targets, tls_targets
+    from .health import (
+        HealthError,
+        daemon_arguments,
+        fetch_one_id,
+        read_process,
+        resolve_from_daemon,
+        targets,
+        tls_targets,
+    )
 
     parser = build_parser(
         prog=f"{PROG} health",
@@ -340,7 +348,7 @@ def cmd_health(argv: Sequence[str]) -> int:
                 raise ConfigError("--pid reads the daemon's flags from its process; give no others")
             cmdline, environ = read_process(pid)
             daemon_args = build_parser().parse_args(daemon_arguments(cmdline, pid))
-            settings = merged_settings(daemon_args, environ)
+            settings = resolve_from_daemon(merged_settings(daemon_args, environ), pid)
             layout = layout_from_args(daemon_args)
         found, context = tls_targets(targets(*listen_settings(settings)), settings)
         login = health_login(settings.get("auth_file"))

@@ -33,7 +33,17 @@ else:
     try:
         from . import _speedups as speedups
     except ImportError as exc:  # not built here (no compiler at install time)
-        WHY_NOT_COMPILED = f"not built ({exc})"
+        # A module that is not there at all shows up, from inside the package's own import, as Python's
+        # "cannot import name ... (most likely due to a circular import)": say what happened instead.
+        from importlib.util import find_spec
+
+        if find_spec(f"{__package__}._speedups") is None:
+            WHY_NOT_COMPILED = (
+                "not built: the compiled module katsubushi_py._speedups is not installed, as pip builds it"
+                " only where a C compiler and the Python headers are found"
+            )
+        else:  # there, but it does not load (built for another Python, a missing library)
+            WHY_NOT_COMPILED = f"not built for this Python, or it does not load ({exc})"
 
 #: ``katsubushi_py._grpc_speedups``: the compiled twin of the gRPC fast path (frontends/grpc_fast.py
 #: PyGrpcCore), a module of its own, built and chosen under the same rules.

@@ -138,6 +138,35 @@ def read_process(pid: int) -> tuple[list[str], dict[str, str]]:
     return cmdline, environ
 
 
+# The settings the health check opens as paths: the unix socket it asks on, the auth file it logs in with.
+_PATH_SETTINGS = ("sock", "auth_file")
+
+
+def resolve_from_daemon(settings: dict[str, object], pid: int) -> dict[str, object]:
+    """The daemon's relative paths (``--sock k.sock``, ``--auth-file auth``) as the daemon resolves
+    them, from its own working directory (/proc/PID/cwd), not the health check's: a check run from
+    elsewhere (a HEALTHCHECK, a shell in another directory) would otherwise report a healthy daemon as
+    unhealthy. Abstract unix sockets (``@name``) are not paths."""
+    relative = [
+        k
+        for k in _PATH_SETTINGS
+        if isinstance(settings.get(k), str)
+        and settings[k]
+        and not os.path.isabs(str(settings[k]))
+        and not str(settings[k]).startswith("@")
+    ]
+    if not relative:
+        return settings
+    try:
+        cwd = os.readlink(f"/proc/{pid}/cwd")
+    except OSError as exc:
+        raise HealthError(
+            f"cannot read the working directory of process {pid}, from which its relative"
+            f" {', '.join('--' + k.replace('_', '-') for k in relative)} is resolved: {exc.strerror or exc}"
+        ) from None
+    return {**settings, **{k: os.path.join(cwd, str(settings[k])) for k in relative}}
+
+
 def daemon_arguments(cmdline: Sequence[str], pid: int) -> list[str]:
     """The daemon's own arguments, after ``katsubushi-py`` or ``python -m katsubushi_py`` (and ``serve``)."""
     rest: list[str] | None = None

@@ -225,7 +225,7 @@ def test_the_deploy_section_links_what_exists() -> None:
         "contrib/prometheus/katsubushi-alerts.yaml",
         "contrib/prometheus/katsubushi-alerts.test.yaml",
         "contrib/grafana/katsubushi-dashboard.json",
-        "docker build -t katsubushi-py .",
+        "docker build -t katsubushi-py:1.0.0 -t katsubushi-py .",
     ):
         assert needed in section, needed
     for path in re.findall(r"\b((?:deploy|contrib)/[\w./-]+\.\w+)", section):

@@ -213,7 +213,10 @@ def test_the_images_check_fails_the_build_without_the_compiled_path(unpacked: Pa
         module.unlink()
     missing = run_check(without)
     assert missing.returncode == 1
-    assert missing.stderr.startswith("katsubushi-py: no compiled hot path in the image: not built (")
+    assert missing.stderr.startswith(
+        "katsubushi-py: no compiled hot path in the image: not built: the compiled module katsubushi_py._speedups"
+        " is not installed"
+    )
     no_grpc = tmp_path / "site-without-grpc"
     shutil.copytree(unpacked, no_grpc)
     for module in no_grpc.glob("katsubushi_py/_grpc_speedups*.so"):

@@ -165,12 +165,18 @@ def test_quit_alone(conn: TextConnection) -> None:
     assert conn.closing
 
 
-@pytest.mark.parametrize("line", [b"quit now", b"quit noreply", b"version x", b"VERSION noreply"])
-def test_quit_and_version_with_arguments_are_errors(conn: TextConnection, line: bytes) -> None:
-    """As memcached before 1.6 answered them, which libmemcached's memccapable expects of a server
-    whose version is below 1.6 (go-katsubushi ignores the arguments; no client sends any)."""
-    assert conn.receive(line + b"\r\n") == b"ERROR\r\n"
+@pytest.mark.parametrize("line", [b"version x y", b"version noreply", b"VERSION x"])
+def test_version_ignores_its_arguments(conn: TextConnection, line: bytes) -> None:
+    """As memcached 1.6 (``version x y`` answers ``VERSION 1.6.18``) and go-katsubushi answer."""
+    assert conn.receive(line + b"\r\n") == b"VERSION 9.9.9\r\n"
     assert not conn.closing
+
+
+@pytest.mark.parametrize("line", [b"quit now", b"quit noreply", b"QUIT now"])
+def test_quit_ignores_its_arguments(conn: TextConnection, line: bytes) -> None:
+    """As memcached 1.6 and go-katsubushi: ``quit now`` closes, and what follows is not answered."""
+    assert conn.receive(line + b"\r\nversion\r\n") == b""
+    assert conn.closing
 
 
 def test_longest_line_is_served(conn: TextConnection) -> None:

@@ -89,11 +89,18 @@ def startup_warnings(addresses: list[str], tls: TlsConfig | None = None, auth: A
     return lines
 
 
+def tls_scheme(plain: str) -> str:
+    """How the start-up line labels a listener once TLS is on: ``https://`` for HTTP (a ``curl`` to a
+    logged ``http://`` address gets an empty reply), ``grpc+tls://`` for gRPC, ``tls://`` for memcached
+    (whose plain listeners, a unix socket or --plain-port, have no scheme)."""
+    return {"http://": "https://", "grpc://": "grpc+tls://"}.get(plain, "tls://")
+
+
 def _authenticated(address: str, auth: AuthConfig | None) -> bool:
     """Whether the listener at ``address`` asks for credentials."""
     if auth is None:
         return False
-    if address.startswith(("http://", "grpc://")):
+    if address.startswith(("http://", "grpc://", "https://", "grpc+tls://")):
         return auth.token_file is not None
     return auth.auth_file is not None
 
@@ -266,7 +273,7 @@ class Daemon:
         host = self.config.host if host is None else host
         tls: dict[str, Any] = {}
         if kind is not None and self.tls is not None:
-            tls, direct = self.tls.server_options(kind), True
+            tls, direct, scheme = self.tls.server_options(kind), True, tls_scheme(scheme)
         backlog = min(4096, max(128, self.config.max_connections))
         server: asyncio.AbstractServer | SocketServer
         try:
@@ -416,8 +423,10 @@ class Daemon:
         backlog = min(4096, max(128, self.config.max_connections))
         for sock in sockets:
             server: asyncio.AbstractServer | SocketServer
+            label = scheme
             if kind is not None and self.tls is not None and sock.family != socket.AF_UNIX:
                 server = SocketServer(self.loop, sock, factory, backlog, **self.tls.server_options(kind))
+                label = tls_scheme(scheme)
             elif direct:
                 server = SocketServer(self.loop, sock, factory, backlog)
             elif sock.family == socket.AF_UNIX:
@@ -428,7 +437,7 @@ class Daemon:
             else:
                 server = await self.loop.create_server(factory, sock=sock, backlog=backlog)
             self.servers.append(server)
-            self.addresses.append(scheme + describe(sock))
+            self.addresses.append(label + describe(sock))
 
     async def close_listeners(self) -> None:
         for server in self.servers:

@@ -252,9 +252,13 @@ class Supervisor:
     def addresses(self) -> list[str]:
         """Where the processes listen (the first one's listeners, and gRPC's)."""
         first = self.slots[0].listeners if self.slots else Listeners()
-        found = [describe(sock) for sock in first.memcached] + [f"http://{describe(s)}" for s in first.http]
+        tls = self.config.tls is not None  # then every TCP listener but --plain-port has it
+        found = [
+            ("tls://" if tls and sock.family != socket.AF_UNIX else "") + describe(sock) for sock in first.memcached
+        ]
+        found += [("https://" if tls else "http://") + describe(s) for s in first.http]
         if self.config.grpc_port is not None:
-            found.append(f"grpc://{self.config.host}:{self.config.grpc_port}")
+            found.append(f"{'grpc+tls' if tls else 'grpc'}://{self.config.host}:{self.config.grpc_port}")
         return found
 
     def close_listeners(self) -> None:

@@ -27,8 +27,10 @@ Where memcached and go-katsubushi differ, we answer as memcached does wherever a
 - ``verbosity <n> [noreply]`` answers ``OK`` (and changes nothing), as memcached does with its
   errors; ``stats <group>`` answers ``settings``, is empty (``END``) for memcached's ``items``,
   ``slabs``, ``sizes`` and ``conns``, and ``ERROR`` for any other group (``stats noreply`` too).
-- ``version`` and ``quit`` with arguments answer ``ERROR``, as memcached before 1.6 did: clients send
-  neither, and libmemcached's protocol tester expects it of a server whose version is below 1.6.
+- ``version`` and ``quit`` ignore their arguments (``version x y`` answers ``VERSION``, ``quit now``
+  closes), as memcached 1.6 and go-katsubushi both do: a user puts one of those beside this daemon.
+  (libmemcached's protocol tester expects ``ERROR`` only of a server whose version is below 1.6, the
+  way memcached answered before; it is told our version, so it does not ask.)
 
 And where go-katsubushi is wrong we are not: a whitespace-only line answers ``ERROR`` (it kills the Go
 daemon), an overlong line answers ``CLIENT_ERROR line too long`` before the close (Go resets
@@ -558,7 +560,8 @@ class TextConnection(TextCore):
         return (format_values_with_cas(keys, ids) if cas else format_values(keys, ids)) + END
 
     def _version_cmd(self, tokens: list[bytes]) -> bytes:
-        return self._version if len(tokens) == 1 else ERROR
+        """Arguments ignored, as memcached 1.6 and go-katsubushi ignore them."""
+        return self._version
 
     def _stats_cmd(self, tokens: list[bytes]) -> bytes:
         """Plain ``stats``: the general fields; ``stats settings``: the configuration; memcached's
@@ -571,8 +574,7 @@ class TextConnection(TextCore):
         return END if group in _EMPTY_STATS_GROUPS else ERROR
 
     def _quit(self, tokens: list[bytes]) -> bytes | None:
-        if len(tokens) > 1:
-            return ERROR
+        """Arguments ignored (``quit now`` closes), as memcached 1.6 and go-katsubushi do."""
         self.closing = True
         return None
 

@@ -51,7 +51,7 @@ from ..issuing.statefile import StateFile, StateFileInUse
 from .holder import NOT_CONFIRMED, Holding, RedisClockWatch
 from .link import NotSent, RedisLink, refusal, trouble
 from .outages import RenewWatch
-from .pool import init_pool
+from .pool import init_pool, searched_range
 from .recovery import LeaseStats, Reporter
 from .replies import Acquired, Lease, Renewed, RenewOutcome, parse_acquire, parse_identity, parse_renew
 from .scripts import ACQUIRE_LUA, IDENTITY_LUA, RELEASE_LUA, RENEW_LUA
@@ -226,7 +226,7 @@ class LeaseKeeper:
                 self.report.acquired(acquired, self.min_id, self.max_id)
                 self.epoch = acquired.epoch
                 if not acquired.got:
-                    message = f"no free worker id in {self.min_id}..{self.max_id}"
+                    message = f"no free worker id in {await searched_range(self.link, self.min_id, self.max_id)}"
                     if not self.wait_for_free_id:
                         raise NoFreeWorkerId(f"{message} at {self.target.display}")
                     self._wait(message)

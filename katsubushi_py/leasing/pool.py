@@ -1,9 +1,11 @@
 """The ``katsubushi-py lease`` tools' side of a pool: creating one (``lease init``) and one consistent
 read of it, judged by Redis TIME, with the Redis it is served by now against the one it was last written
-under (a restart or failover that no daemon has touched the pool since shows as a mismatch)."""
+under (a restart or failover that no daemon has touched the pool since shows as a mismatch); and the
+pool's own range, which a daemon waiting for a free id names (:func:`searched_range`)."""
 
 from __future__ import annotations
 
+import asyncio
 import statistics
 import time
 from typing import Any
@@ -27,6 +29,27 @@ async def init_pool(target: RedisTarget, min_id: int, max_id: int) -> int:
         return int(await client.eval(INIT_LUA, len(keys), *keys, min_id, max_id, new_epoch()))
     finally:
         await client.aclose()
+
+
+async def searched_range(link: Any, min_id: int, max_id: int) -> str:
+    """The ids a daemon found none free among, as its "no free worker id in ..." names them. The pool
+    in Redis has its own range (``lease init --min-worker-id/--max-worker-id``, or the first daemon's),
+    and a daemon takes only the ids of it within its own: a daemon left at 1..1023 beside a pool of 1..1
+    must not say it searched 1023 ids. The daemon's range alone when the pool holds all of it, or when
+    Redis does not answer at once (the message matters less than the wait)."""
+    try:
+        client = await asyncio.wait_for(link.get(), 1.0)
+        lo, hi = await asyncio.wait_for(client.hmget(link.keys.pool, "min", "max"), 1.0)
+        pool_lo, pool_hi = int(lo), int(hi)
+    except Exception:
+        return f"{min_id}..{max_id}"
+    if pool_lo <= min_id and max_id <= pool_hi:  # every id of the daemon's range is in the pool
+        return f"{min_id}..{max_id}"
+    ours = f"--min-worker-id..--max-worker-id {min_id}..{max_id}"
+    lo, hi = max(min_id, pool_lo), min(max_id, pool_hi)
+    if lo > hi:
+        return f"{min_id}..{max_id}: the pool in Redis holds {pool_lo}..{pool_hi}, none of them in {ours}"
+    return f"{lo}..{hi} (the pool in Redis holds {pool_lo}..{pool_hi}; {ours})"
 
 
 async def pool_snapshot(target: RedisTarget) -> dict[str, Any]:
