@@ -375,12 +375,14 @@ def test_bad_lease_configuration(args: tuple[str, ...], message: str) -> None:
     assert message in result.stderr and len(result.stderr.strip().splitlines()) == 1, result.stderr
 
 
-def test_unreachable_redis_at_start_is_one_line_and_exit_1() -> None:
+def test_unreachable_redis_at_start_is_one_line_and_exit_2() -> None:
+    """Exit 2: a Redis URL that led nowhere for the whole start timeout is a configuration to fix (the
+    systemd unit restarts on anything but 2)."""
     port = free_port()
     result = run_tool(
         "--redis", f"redis://127.0.0.1:{port}/0", "--port", str(free_port()), "--lease-start-timeout", "1s"
     )
-    assert result.returncode == 1
+    assert result.returncode == 2
     lines = result.stderr.strip().splitlines()
     assert lines[-1].startswith("katsubushi-py: error: cannot lease a worker id from redis://127.0.0.1:")
     assert "Traceback" not in result.stderr
