@@ -188,7 +188,7 @@ def test_the_only_replica_killed_is_said_before_any_holder_stops(daemons: Daemon
         assert recorder.duplicates() == 0
         log = d.stderr()
         assert log.count(said) == 1, log
-        assert "replicas again (min-replicas-to-write 1)" in log
+        wait_until(lambda: "replicas again (min-replicas-to-write 1)" in d.stderr(), timeout=10)
     finally:
         for r in replicas:
             r.stop()

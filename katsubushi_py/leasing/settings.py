@@ -35,6 +35,7 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from .nodes import connect
 from .target import LeaseRefused, RedisTarget
 from .timings import describe
 
@@ -204,9 +205,11 @@ class SettingsWatch:
 
     def poke(self, forced: bool = False) -> None:
         """Read the settings again in the background when due: every minute, when the master changed,
-        and (``forced``) after a lease write failed or was not acknowledged. Never delays a renew."""
+        and (``forced``) after a lease write failed or was not acknowledged, or while the master is short
+        of replicas (at most every 2 s). Never delays a renew."""
         if self._task is not None and not self._task.done():
             return
+        forced = forced or self._short  # short of replicas: watch for them to come back
         now = time.monotonic()
         since = now - self._checked_at
         due = since >= RECHECK_INTERVAL or self.link.address != self._checked_address
@@ -215,11 +218,16 @@ class SettingsWatch:
         self._task = asyncio.get_running_loop().create_task(self._recheck())
 
     async def _recheck(self) -> None:
-        client = self.link.client
-        if client is None:
-            return
+        """On the link's client, or (dropped after a failure, when this matters most) a client of our
+        own, closed after: the link's is the keeper's to make, one at a time."""
+        client, own = self.link.client, None
         with contextlib.suppress(Exception):
+            if client is None:
+                client = own = await asyncio.wait_for(connect(self.target, 1.0), timeout=2.0)
             self._apply(await asyncio.wait_for(read_settings(client), timeout=max(1.0, self.ttl / 10)))
+        if own is not None:
+            with contextlib.suppress(Exception):
+                await own.aclose()
 
     async def close(self) -> None:
         task, self._task = self._task, None
