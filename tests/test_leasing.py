@@ -256,7 +256,9 @@ def test_the_replica_is_waited_for(daemons: DaemonFactory, redis_server: RedisSe
     replica = start_redis(tmp_path / "replica", "--replicaof", "127.0.0.1", str(redis_server.port))
     try:
         wait_until(lambda: redis_server.client().info("replication")["connected_slaves"] == 1, timeout=10)
+        redis_server.client().config_set("min-replicas-to-write", 1)  # required beside a replica (issue 32)
         d = start_leased(daemons, redis_server.url)
+        assert stats(d)["lease_replicas_expected"] == "1"
         assert ids(d)
         time.sleep(RENEW * 1.5)
         assert ids(d)  # renewals acknowledged by the replica

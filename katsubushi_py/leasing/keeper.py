@@ -220,6 +220,7 @@ class LeaseKeeper:
                             ) from None
                         pause = min(pause, deadline - time.monotonic())  # one last try at the deadline
                     self._wait(trouble(self.target.display, exc))
+                    self.settings.poke(forced=True)  # min-replicas-to-write changed? (NOREPLICAS)
                     await asyncio.sleep(pause)
                     continue
                 received = time.monotonic()
@@ -251,6 +252,7 @@ class LeaseKeeper:
                         await self._release(acquired.lease, -1)
                     where = self.link.address or self.target.display
                     self._wait(f"the replicas of {where} do not acknowledge ({problem})")
+                    self.settings.poke(forced=True)
                     await asyncio.sleep(backoff.next())
                     continue
                 self.stats.acquires += 1
