@@ -255,7 +255,7 @@ def test_overwritten_owner_token_stops_issuing_and_moves_to_a_new_id(
 def test_the_replica_is_waited_for(daemons: DaemonFactory, redis_server: RedisServer, tmp_path: Path) -> None:
     replica = start_redis(tmp_path / "replica", "--replicaof", "127.0.0.1", str(redis_server.port))
     try:
-        wait_until(lambda: redis_server.client().info("replication")["connected_slaves"] == 1, timeout=10)
+        wait_until(lambda: redis_server.client().execute_command("WAIT", 1, 100) == 1, timeout=15, step=0)
         redis_server.client().config_set("min-replicas-to-write", 1)  # required beside a replica (issue 32)
         d = start_leased(daemons, redis_server.url)
         assert stats(d)["lease_replicas_expected"] == "1"

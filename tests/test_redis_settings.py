@@ -107,9 +107,15 @@ def test_an_evicting_redis_is_refused(daemons: DaemonFactory, tmp_path: Path) ->
         server.client().config_set("maxmemory-policy", "volatile-lru")
         d = start_leased(daemons, server.url, init=False)
         assert stats(d)["lease_redis_settings_unsafe"] == "0"
-        # Set to evict while the daemon runs: not refused (it holds a lease), but logged and in the metric.
+        # Set to evict while the daemon runs: not refused (it holds a lease), but logged and in the metric
+        # at the next check (every minute; here sooner: a refused write, NOREPLICAS, forces one).
         server.client().config_set("maxmemory-policy", "allkeys-random")
         assert isinstance(get(d), list)
+        server.client().config_set("min-replicas-to-write", 1)
+        wait_until(lambda: stats(d)["lease_redis_settings_unsafe"] == "1", timeout=3 * TTL)
+        server.client().config_set("min-replicas-to-write", 0)
+        assert "ERROR unsafe Redis setting: maxmemory-policy is allkeys-random" in d.stderr()
+        wait_serving(d)
     finally:
         server.stop()
 
