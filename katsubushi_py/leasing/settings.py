@@ -105,9 +105,12 @@ async def read_settings(client: Any) -> RedisSettings:
         pipe.execute_command("CONFIG", "GET", name)
     pipe.execute_command("INFO", "replication")
     replies = await pipe.execute(raise_on_error=False)
+    from redis.exceptions import ConnectionError as LinkDown
+    from redis.exceptions import TimeoutError as LinkSlow
+
     for reply in replies:
-        if isinstance(reply, ConnectionError | TimeoutError | OSError):
-            raise reply
+        if isinstance(reply, LinkDown | LinkSlow | ConnectionError | TimeoutError | OSError):
+            raise reply  # not an answer: the start retries it
     info_reply = replies[3]
     if isinstance(info_reply, BaseException):
         info = ""
