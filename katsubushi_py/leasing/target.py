@@ -39,7 +39,8 @@ class RedisTarget:
     ``seeds`` are the sentinels, or the cluster's seed nodes; ``service`` the master's name in
     Sentinel; ``sentinel_options`` what the sentinels themselves are connected with (redis-py's
     ``sentinel_kwargs``). ``replica_acks``: how many replicas must acknowledge each lease write (None:
-    every replica the master has had since it last started or was promoted; see ``link``)."""
+    the master's ``min-replicas-to-write``, else every replica it has had since it last started or was
+    promoted; see ``link``). ``allow``: the unsafe Redis settings start-up accepts (``settings``)."""
 
     url: str
     namespace: str
