@@ -18,6 +18,7 @@ subprocesses, steady GET load with every ID recorded.
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -156,6 +157,8 @@ def test_one_of_two_replicas_killed_under_load_costs_no_request(daemons: DaemonF
         assert recorder.duplicates() == 0, recorder.summary()
         assert errors == [] and all(after)
         assert all(stats(d)["lease_replica_ack_failures"] == "0" for d in loaded)
+        summary = json.loads(run_tool("lease", "stats", "--redis", f"{master.url}?ns=t").stdout)
+        assert summary["replicas_expected"] == 1 and summary["min_replicas_to_write"] == 1, summary
     finally:
         for r in replicas:
             r.stop()
