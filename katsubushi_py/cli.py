@@ -250,7 +250,7 @@ def run_server(config: ServerConfig, listeners: Listeners | None = None, ready: 
         with asyncio.Runner(loop_factory=factory) as runner:
             runner.run(serve(config, generator, ready, claim_state=claim, listeners=listeners))
     except StartupError as exc:
-        return _fail(str(exc), 1)
+        return _fail(str(exc), exc.status)
     except KeyboardInterrupt:  # a second Ctrl-C during the graceful stop
         pass
     finally:

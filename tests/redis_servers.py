@@ -16,9 +16,13 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import redis
 from conftest import free_port
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
 
 
 def redis_binary(name: str = "redis-server") -> str:
@@ -273,6 +277,7 @@ class SentinelSetup:
     replica: RedisServer
     sentinels: list[Sentinel]
     workdir: Path
+    more: list[RedisServer] = field(default_factory=list)  # replicas beyond the first (``replicas=``)
 
     @property
     def url(self) -> str:
@@ -309,27 +314,45 @@ class SentinelSetup:
             s.stop()
         self.master.stop()
         self.replica.stop()
+        for r in self.more:
+            r.stop()
 
 
-def start_sentinel_setup(workdir: Path, down_after_ms: int = 1000, failover_timeout_ms: int = 3000) -> SentinelSetup:
-    """Returns once the replica is in sync and every sentinel knows the replica and the two others."""
+def start_sentinel_setup(
+    workdir: Path,
+    down_after_ms: int = 1000,
+    failover_timeout_ms: int = 3000,
+    *,
+    replicas: int = 1,
+    extra: tuple[str, ...] = (),
+    before_replicas: Callable[[RedisServer], None] | None = None,
+) -> SentinelSetup:
+    """Returns once the replicas are in sync and every sentinel knows them and the two others.
+    ``extra``: more redis-server options for every node; ``before_replicas``: called with the master
+    before any replica attaches (to fill it, say)."""
     # No 5 s wait before a diskless full sync (Redis 7's default): replicas sync at once.
-    fast = ("--repl-diskless-sync-delay", "0")
+    fast = ("--repl-diskless-sync-delay", "0", *extra)
     master = start_redis(workdir / "master", *fast)
-    replica = start_redis(workdir / "replica", *fast, "--replicaof", "127.0.0.1", str(master.port))
+    if before_replicas is not None:
+        before_replicas(master)
+    following = ("--replicaof", "127.0.0.1", str(master.port))
+    replica = start_redis(workdir / "replica", *fast, *following)
+    more = [start_redis(workdir / f"replica{i}", *fast, *following) for i in range(2, replicas + 1)]
     sentinels: list[Sentinel] = []
-    setup = SentinelSetup(master, replica, sentinels, workdir)
+    setup = SentinelSetup(master, replica, sentinels, workdir, more)
     try:
-        deadline = time.monotonic() + 15
+        deadline = time.monotonic() + 30
         # Streaming, not only synced: after a diskless sync the master waits for the replica's first
         # acknowledgement (up to a second) before it streams writes to it.
-        while master.client().execute_command("WAIT", 1, 100) != 1:
+        while master.client().execute_command("WAIT", replicas, 100) != replicas:
             if time.monotonic() > deadline:
                 raise RuntimeError("the replica did not sync")
         ports = [free_port() for _ in range(3)]
         ids = [os.urandom(20).hex() for _ in range(3)]
         for i in range(3):
-            known = f"sentinel known-replica {SERVICE} 127.0.0.1 {replica.port}\n" + "".join(
+            known = "".join(
+                f"sentinel known-replica {SERVICE} 127.0.0.1 {r.port}\n" for r in [replica, *more]
+            ) + "".join(
                 f"sentinel known-sentinel {SERVICE} 127.0.0.1 {ports[j]} {ids[j]}\n" for j in range(3) if j != i
             )
             sentinels.append(
@@ -344,7 +367,8 @@ def start_sentinel_setup(workdir: Path, down_after_ms: int = 1000, failover_time
                 )
             )
         while not all(
-            int(m["num-other-sentinels"]) == 2 and int(m["num-slaves"]) == 1 for m in (s.master() for s in sentinels)
+            int(m["num-other-sentinels"]) == 2 and int(m["num-slaves"]) == replicas
+            for m in (s.master() for s in sentinels)
         ):
             if time.monotonic() > deadline:
                 raise RuntimeError("the sentinels did not find each other and the replica")

@@ -41,7 +41,21 @@ from katsubushi_py.issuing.generator import Generator
 from katsubushi_py.leasing import keeper as keeper_module
 from katsubushi_py.leasing.keeper import LeaseKeeper
 from katsubushi_py.leasing.scripts import INIT_LUA
+from katsubushi_py.leasing.settings import SettingsWatch
 from katsubushi_py.leasing.target import LeaseError, RedisTarget
+
+
+class _Unchecked(SettingsWatch):
+    """No check of Redis's settings (issue 32): the simulated nodes model the every-replica rule
+    (``min-replicas-to-write`` 0, or ``replica_acks``), and no CONFIG round trip changes what a seed
+    replays. What start-up refuses and the ``min-replicas-to-write`` rule are tested with real
+    processes (tests/test_redis_settings.py)."""
+
+    async def at_start(self) -> None:
+        return None
+
+    def poke(self, forced: bool = False) -> None:
+        return None
 
 
 class Simulation:
@@ -185,6 +199,7 @@ class Simulation:
                 start_timeout=3 * config.ttl,
             )
             keeper.link.finder = SimFinder(self.redis, process, keeper.link.finder.timeout)  # type: ignore[assignment]
+            keeper.settings = _Unchecked(self.target, keeper.link, config.timings.ttl)
             process.keeper, process.generator = keeper, generator
 
         ctx.run(build)

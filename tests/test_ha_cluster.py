@@ -5,7 +5,10 @@ promotes its replica (measured: about 2.5 s): no duplicate, no failed request, e
 the new master. Once with another node in the URL, once with that very master as the only seed: a
 failed renew rediscovers the cluster through every node it has learned of, not only the URL's.
 
-Timings as in test_ha_sentinel.py: ttl 9 s, renew 1 s leave 7.1 s for the failover.
+Timings as in test_ha_sentinel.py: ttl 9 s, renew 1 s leave 7.1 s for the failover. The masters keep
+``min-replicas-to-write 0`` (a promoted replica has no replica of its own here, and would refuse every
+write with 1), so the URL says ``allow=no-min-replicas`` and each lease write waits for every replica
+the master has had (issue 32's fallback rule).
 
 The two tests share one cluster (built once, about 2 s), each with its own namespace on a master that
 still has its replica.
@@ -57,7 +60,7 @@ def fail_over_under_load(daemons: DaemonFactory, cluster: ClusterSetup, seed_is_
     init_pool(url, ns, 1, 4)
     loaded: list[Daemon] = []
     for _ in range(3):
-        d = daemons.start("--redis", f"{url}?ns={ns}", *ARGS, *SKEW, worker_id=None)
+        d = daemons.start("--redis", f"{url}?ns={ns}&allow=no-min-replicas", *ARGS, *SKEW, worker_id=None)
         wait_serving(d)
         loaded.append(d)
     assert all(stats(d)["lease_replicas_expected"] == "1" for d in loaded)

@@ -1,11 +1,12 @@
 """What a lease write waits for (issue 24), and the URLs that name a highly available Redis.
 
-A write counts only once every replica the master has had since it last started or was promoted has
-acknowledged it (the count is recorded in the pool under the master's identity, and read by every
+Without ``min-replicas-to-write`` (M = 0, accepted with ``allow=no-min-replicas`` in the URL, or CONFIG
+unreadable), a write counts only once every replica the master has had since it last started or was
+promoted has acknowledged it (the count is recorded in the pool under the master's identity, and read by every
 lease write in its own script): a replica that vanishes lowers nothing. Shown here rule by rule against
 real redis-servers, then as the fault it is for: two masters at once (the old one cut off from its
 replica, which was promoted), with daemons on each side and every ID recorded, also seconds after the
-replica joined.
+replica joined. (With M set, a write waits for M acknowledgements: tests/test_redis_settings.py.)
 """
 
 from __future__ import annotations
@@ -173,7 +174,8 @@ def lease_daemon(daemons: DaemonFactory, server: RedisServer, max_worker_id: int
     timings = ("--lease-ttl", "3s", "--lease-renew", "1s", "--lease-delay", "2s")
     skew = ("--clock-skew-max", "0.5s", "--clock-skew-warn", "0.5s")
     ids = ("--min-worker-id", "1", "--max-worker-id", str(max_worker_id))
-    return daemons.start("--redis", f"{server.url}?ns=t", *timings, *skew, *ids, worker_id=None)
+    url = f"{server.url}?ns=t&allow=no-min-replicas"  # these measure the every-replica fallback rule
+    return daemons.start("--redis", url, *timings, *skew, *ids, worker_id=None)
 
 
 def first_holder(daemons: DaemonFactory, master: RedisServer, max_worker_id: int, replicas: str) -> Daemon:

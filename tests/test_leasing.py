@@ -255,8 +255,10 @@ def test_overwritten_owner_token_stops_issuing_and_moves_to_a_new_id(
 def test_the_replica_is_waited_for(daemons: DaemonFactory, redis_server: RedisServer, tmp_path: Path) -> None:
     replica = start_redis(tmp_path / "replica", "--replicaof", "127.0.0.1", str(redis_server.port))
     try:
-        wait_until(lambda: redis_server.client().info("replication")["connected_slaves"] == 1, timeout=10)
+        wait_until(lambda: redis_server.client().execute_command("WAIT", 1, 100) == 1, timeout=15, step=0)
+        redis_server.client().config_set("min-replicas-to-write", 1)  # required beside a replica (issue 32)
         d = start_leased(daemons, redis_server.url)
+        assert stats(d)["lease_replicas_expected"] == "1"
         assert ids(d)
         time.sleep(RENEW * 1.5)
         assert ids(d)  # renewals acknowledged by the replica
@@ -375,12 +377,14 @@ def test_bad_lease_configuration(args: tuple[str, ...], message: str) -> None:
     assert message in result.stderr and len(result.stderr.strip().splitlines()) == 1, result.stderr
 
 
-def test_unreachable_redis_at_start_is_one_line_and_exit_1() -> None:
+def test_unreachable_redis_at_start_is_one_line_and_exit_2() -> None:
+    """Exit 2: a Redis URL that led nowhere for the whole start timeout is a configuration to fix (the
+    systemd unit restarts on anything but 2)."""
     port = free_port()
     result = run_tool(
         "--redis", f"redis://127.0.0.1:{port}/0", "--port", str(free_port()), "--lease-start-timeout", "1s"
     )
-    assert result.returncode == 1
+    assert result.returncode == 2
     lines = result.stderr.strip().splitlines()
     assert lines[-1].startswith("katsubushi-py: error: cannot lease a worker id from redis://127.0.0.1:")
     assert "Traceback" not in result.stderr

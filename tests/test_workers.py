@@ -153,6 +153,25 @@ def test_leased_worker_processes_each_lease_their_own_id(daemons: DaemonFactory,
         server.stop()
 
 
+def test_a_worker_process_refused_by_redis_stops_the_supervisor_with_status_2(
+    daemons: DaemonFactory, tmp_path: Path
+) -> None:
+    """Exit 2 (unsafe Redis settings, issue 32) is a configuration to fix: not restarted in a loop, and
+    the supervisor exits 2 too, which the systemd unit does not restart."""
+    from lease_helpers import init_pool, lease_args
+    from redis_servers import start_redis
+
+    server = start_redis(tmp_path / "redis", "--maxmemory", "100mb", "--maxmemory-policy", "allkeys-lru")
+    try:
+        init_pool(server.url, "w")
+        d = daemons.start("--workers", "2", *lease_args(server.url, "w"), worker_id=None, wait=False)
+        assert d.proc.wait(20) == 2
+        assert "refused to run (exited with status 2)" in d.stderr()
+        assert "maxmemory-policy is allkeys-lru" in d.stderr()
+    finally:
+        server.stop()
+
+
 def test_a_worker_process_that_cannot_start_stops_the_supervisor(daemons: DaemonFactory, tmp_path: Path) -> None:
     state = tmp_path / "shared-state"
     daemons.start("--state-dir", str(state), worker_id=21)  # holds worker-21.state

@@ -222,7 +222,8 @@ def _lease_metrics(fields: dict[str, object]) -> Iterator[Metric]:
     )
     yield GaugeMetricFamily(
         "katsubushi_lease_replicas_expected",
-        "Replicas every lease write must reach (the most the master has had since it started or was promoted)",
+        "Replicas every lease write must reach (replica_acks, else min-replicas-to-write, else the most the master"
+        " has had since it started or was promoted)",
         value=_number(fields.get("lease_replicas_expected")),
     )
     yield CounterMetricFamily(
@@ -230,6 +231,29 @@ def _lease_metrics(fields: dict[str, object]) -> Iterator[Metric]:
         "Lease writes that not every expected replica acknowledged in time (not counted as renewed or acquired)",
         value=_number(fields.get("lease_replica_ack_failures")),
     )
+    yield from _redis_settings(fields)
+
+
+def _redis_settings(fields: dict[str, object]) -> Iterator[Metric]:
+    """What the last check of Redis's settings found (issue 32; leasing/settings.py): read at start,
+    every minute, after the master changed and after a failed lease write."""
+    for name, text in (
+        (
+            "settings_unsafe",
+            "Unsafe Redis settings found at the last check (min-replicas-to-write 0 beside replicas, allkeys-*"
+            " eviction) that the URL does not accept",
+        ),
+        ("settings_unreadable", "1 when CONFIG GET is refused (renamed, ACL): Redis's settings cannot be checked"),
+        ("min_replicas_to_write", "The master's min-replicas-to-write (-1: not known)"),
+        ("replicas_connected", "Replicas connected to the master at the last check"),
+        (
+            "replicas_good",
+            "Replicas the master counts for min-replicas-to-write (lagging less than min-replicas-max-lag)",
+        ),
+    ):
+        yield GaugeMetricFamily(
+            f"katsubushi_lease_redis_{name}", text, value=_number(fields.get(f"lease_redis_{name}"))
+        )
 
 
 def _number(value: object) -> float:

@@ -30,7 +30,7 @@ from ..issuing.errors import GenerationError
 from ..issuing.generator import Generator
 from ..issuing.issuer import Issuer
 from ..issuing.statefile import StateFile
-from ..leasing import LeaseError, LeaseKeeper
+from ..leasing import LeaseError, LeaseKeeper, LeaseRefused
 from .activation import ActivationError, describe, inherited_sockets
 from .connection import ConnectionHandler
 from .deadlines import RequestDeadlines
@@ -118,7 +118,12 @@ def _is_local(address: str) -> bool:
 
 
 class StartupError(RuntimeError):
-    """The daemon cannot start (port in use, live daemon on the socket, ...): one line for the user."""
+    """The daemon cannot start (port in use, live daemon on the socket, ...): one line for the user, and
+    the exit status (2: a configuration to fix, which the shipped systemd unit does not restart)."""
+
+    def __init__(self, message: str, status: int = 1) -> None:
+        super().__init__(message)
+        self.status = status
 
 
 def raise_fd_limit(needed: int) -> None:
@@ -480,6 +485,8 @@ def _chain(
 
 def _lease_failure(keeper: LeaseKeeper, exc: BaseException) -> StartupError:
     """The one line a daemon that cannot lease a worker id exits with."""
+    if isinstance(exc, LeaseRefused):
+        return StartupError(str(exc), 2)
     if isinstance(exc, LeaseError | GenerationError):
         return StartupError(str(exc))
     return StartupError(f"cannot lease a worker id from {keeper.target.display}: {exc}")

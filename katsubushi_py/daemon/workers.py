@@ -208,6 +208,7 @@ class Supervisor:
         self._unix_path: str | None = None
         self._stopping = False
         self._started = time.monotonic()
+        self._failed_status = 1  # the exit status when a worker process cannot start (2: refused)
 
     # -- sockets ---------------------------------------------------------------------------------
     def open_listeners(self) -> None:
@@ -337,7 +338,7 @@ class Supervisor:
                     continue
                 failed = self._reap()
                 if failed is not None:
-                    status = 1
+                    status = self._failed_status
                     log.error("%s; stopping the other worker processes", failed)
                     break
                 self._restart_due()
@@ -371,7 +372,11 @@ class Supervisor:
             lived = time.monotonic() - slot.started
             how = f"exited with status {code}" if code >= 0 else f"was killed by signal {-code}"
             if code == 1 and time.monotonic() - self._started < _STARTUP_GRACE_S:
+                self._failed_status = 1
                 return f"worker process {slot.index} could not start ({how})"
+            if code == 2:  # a configuration to fix (a Redis refused as unsafe): restarting cannot help
+                self._failed_status = 2
+                return f"worker process {slot.index} refused to run ({how})"
             slot.pause = 0.0 if lived >= _QUICK_DEATH_S else min(_MAX_PAUSE_S, max(_FIRST_PAUSE_S, slot.pause * 2))
             slot.restart_at = time.monotonic() + slot.pause
             log.error(

@@ -3,12 +3,13 @@
 pool (:mod:`.pool`)."""
 
 from .keeper import LeaseKeeper, LeaseTimings
-from .target import DEFAULT_NAMESPACE, LeaseError, NoFreeWorkerId, RedisTarget, parse_redis_url
+from .target import DEFAULT_NAMESPACE, LeaseError, LeaseRefused, NoFreeWorkerId, RedisTarget, parse_redis_url
 
 __all__ = [
     "DEFAULT_NAMESPACE",
     "LeaseError",
     "LeaseKeeper",
+    "LeaseRefused",
     "LeaseTimings",
     "NoFreeWorkerId",
     "RedisTarget",

@@ -55,7 +55,8 @@ from .pool import init_pool, searched_range
 from .recovery import LeaseStats, Reporter
 from .replies import Acquired, Lease, Renewed, RenewOutcome, parse_acquire, parse_identity, parse_renew
 from .scripts import ACQUIRE_LUA, IDENTITY_LUA, RELEASE_LUA, RENEW_LUA
-from .target import LeaseError, NoFreeWorkerId, RedisTarget
+from .settings import SettingsWatch
+from .target import LeaseError, LeaseRefused, NoFreeWorkerId, RedisTarget
 from .timings import Backoff, LeaseTimings, describe, new_epoch, new_token
 
 __all__ = ["NOT_CONFIRMED", "WAITING", "Lease", "LeaseKeeper", "LeaseStats", "LeaseTimings", "init_pool"]
@@ -107,6 +108,7 @@ class LeaseKeeper:
         self.on_change = on_change
         self.stats = LeaseStats()
         self.link = RedisLink(target, timings, self.stats)
+        self.settings = SettingsWatch(target, self.link, timings.ttl)  # min-replicas-to-write, eviction
         self.report = Reporter(self.stats, target.display, self.recovery_wait, timings.unreleased_wait(skew_max))
         self.clock_watch = RedisClockWatch(max(0.25, skew_warn))
         self.holding: Holding | None = None
@@ -211,13 +213,14 @@ class LeaseKeeper:
                     pause = backoff.next()
                     if deadline is not None:
                         if time.monotonic() >= deadline:
-                            raise LeaseError(
+                            raise LeaseRefused(
                                 f"cannot lease a worker id from {self.target.display} within"
                                 f" --lease-start-timeout {self.start_timeout:g}s:"
                                 f" {refusal(self.target.display, exc) or describe(exc)}"
                             ) from None
                         pause = min(pause, deadline - time.monotonic())  # one last try at the deadline
                     self._wait(trouble(self.target.display, exc))
+                    self.settings.poke(forced=True)  # min-replicas-to-write changed? (NOREPLICAS)
                     await asyncio.sleep(pause)
                     continue
                 received = time.monotonic()
@@ -249,6 +252,7 @@ class LeaseKeeper:
                         await self._release(acquired.lease, -1)
                     where = self.link.address or self.target.display
                     self._wait(f"the replicas of {where} do not acknowledge ({problem})")
+                    self.settings.poke(forced=True)
                     await asyncio.sleep(backoff.next())
                     continue
                 self.stats.acquires += 1
@@ -447,13 +451,14 @@ class LeaseKeeper:
         while True:
             try:
                 skew = await self.check_clock()
+                await self.settings.at_start()  # LeaseRefused: unsafe settings
                 break
             except LeaseError:
                 raise
             except Exception as exc:
                 await self.link.drop()
                 if time.monotonic() >= deadline:
-                    raise LeaseError(
+                    raise LeaseRefused(
                         f"cannot lease a worker id from {self.target.display} within --lease-start-timeout"
                         f" {self.start_timeout:g}s: {describe(exc)}"
                     ) from None
@@ -519,6 +524,7 @@ class LeaseKeeper:
                 holding.retry_soon(time.monotonic())
             else:
                 await self._lost(generator, outcome)
+            self.settings.poke(forced=outcome is None)
 
     async def _lost(self, generator: Generator, outcome: RenewOutcome) -> None:
         """The id is not ours any more (or Redis forgot it): stop at once, say why, lease another."""
@@ -535,6 +541,7 @@ class LeaseKeeper:
         """Stop renewing (or waiting), then release the id with the last issued millisecond."""
         self._stopping = True
         self.watch.disarm()
+        await self.settings.close()
         task = self._task
         if task is not None and task is not asyncio.current_task():
             task.cancel()
@@ -582,4 +589,5 @@ class LeaseKeeper:
             ("lease_renew_outages", stats.renew_outages),
             ("lease_replicas_expected", stats.replicas_expected),
             ("lease_replica_ack_failures", stats.replica_ack_failures),
+            *self.settings.fields(),
         ]

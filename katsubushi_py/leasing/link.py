@@ -2,29 +2,40 @@
 noticing when the connection under it changed, following the master (:mod:`.nodes`), waiting for a
 release to be announced, and the clock check at start.
 
-**Replicas.** A lease write counts (an acquire is served, a renew moves the deadline) only once every
-replica the master has had since it last started or was promoted has acknowledged it (``WAIT``,
-pipelined on the same connection as the script). The number is the most replicas that master has had
-connected, recorded in the pool under the master's identity (``REPLICAS_LUA``): a replica that
-disconnects, or a link that is cut, lowers nothing, so a master cut off from its replicas (the old
-master on the wrong side of a partition, while Sentinel promotes a replica) cannot confirm a single
-lease: its daemons stop at their deadline instead of issuing beside the new master's. A new master (a
-promotion, a restart) starts from its own count.
+**Replicas: how many acknowledgements a lease write needs.** A lease write counts (an acquire is
+served, a renew moves the deadline) only once enough replicas acknowledged it (``WAIT``, pipelined on
+the same connection as the script), so that a replica promoted after the master is lost holds every
+lease that was served under. How many:
 
-**The count is read by the write itself**: the acquire and renew scripts run as ``COUNTED`` versions
-that read ``connected_slaves`` after their write, in the same atomic run, record it, and return the
-count with their reply; the ``WAIT`` pipelined with the script waits for the count the last write
-returned, and a write whose own count is higher (a replica joined since; the first write on a
-connection) waits again for all of them (a second round trip) before it counts. So a write is never
-counted as acknowledged by fewer replicas than the master had when it was written, and a replica is
-waited for from the first lease write that sees it connected (before issue 23's fix: within a minute,
-and a partition in that minute left the old master confirming leases alone). What remains: a replica
-that joins a master and is cut off from it before any lease write ran there was never counted (Redis's
-``min-replicas-to-write`` closes that; docs/leasing.md). ``replica_acks=N`` in the URL waits for
-exactly N instead (0: none) and skips the count, as Redis's own ``min-replicas-to-write`` does.
+- ``replica_acks=N`` in the URL: N (0: none).
+- Else, the master's ``min-replicas-to-write`` M when it is at least 1 (read by :mod:`.settings` at
+  start and again while running): ``WAIT M``. Redis itself refuses every write unless M replicas are
+  connected and lag less than ``min-replicas-max-lag``, so a master cut off from its replicas (the old
+  master on the wrong side of a partition) stops taking writes, and a write on M replicas is on one
+  Sentinel promotes (it promotes the replica with the most of the master's stream). A master with
+  more replicas than M loses one, or has one resync for minutes after a failover, without a failed
+  lease write; a master with exactly M that loses one refuses writes (``NOREPLICAS``), and its
+  daemons stop when their leases run out (docs/leasing.md).
+- Else (M is 0 and the URL said ``allow=no-min-replicas``, or the master has no replica, or CONFIG
+  cannot be read): every replica the master has had since it last started or was promoted, the
+  safe fallback. The number is the most replicas that master has had connected, recorded in the
+  pool under the master's identity (``REPLICAS_LUA``): a replica that disconnects, or a link that is
+  cut, lowers nothing, so a master cut off from its replicas cannot confirm a single lease. A new
+  master (a promotion, a restart) starts from its own count. Its price: one replica down stops every
+  lease write, and so the fleet, within a ttl.
 
-What that buys: every write the keeper counted is on every replica that master had, so whichever of
-them is promoted holds every confirmed lease and renew; a write that was not acknowledged was never
+**The every-replica count is read by the write itself**: the acquire and renew scripts run as
+``COUNTED`` versions that read ``connected_slaves`` after their write, in the same atomic run, record
+it, and return the count with their reply; the ``WAIT`` pipelined with the script waits for the count
+the last write returned, and a write whose own count is higher (a replica joined since; the first
+write on a connection) waits again for all of them (a second round trip) before it counts. So a write
+is never counted as acknowledged by fewer replicas than the master had when it was written. What
+remains: a replica that joins a master and is cut off from it before any lease write ran there was
+never counted (``min-replicas-to-write`` closes that, which is why start-up refuses M = 0 beside
+replicas unless told otherwise).
+
+What that buys: every write the keeper counted is on the replicas that can be promoted, so whichever
+of them is promoted holds every confirmed lease and renew; a write that was not acknowledged was never
 served under, and the holder remembers the marks it may have left (see ``holder``).
 
 **A new connection may be a new Redis.** ``CLIENT ID`` rides in the same pipeline: a different id
@@ -103,6 +114,8 @@ class RedisLink:
         self._replicas: int | None = None  # the master's replica count at the last counted write
         self._whole = True  # the next count compares the master's whole identity (a new connection)
         self._pubsub: Any = None
+        # The master's min-replicas-to-write, as :mod:`.settings` last read it (None: not read, or unreadable).
+        self.min_replicas: int | None = None
 
     async def get(self) -> Any:
         if self.client is None:
@@ -159,7 +172,7 @@ class RedisLink:
         client = await self.connected()
         keys = self.keys.all
         wait_ms = int(self.timings.renew * 250)
-        fixed = self.target.replica_acks
+        fixed = self.acks_needed()
         count = durable and fixed is None  # the script counts the master's replicas itself (COUNTED)
         waited = fixed if fixed is not None else (self._replicas or 0)
         if fixed is not None:
@@ -199,6 +212,13 @@ class RedisLink:
             self.stats.replica_ack_failures += 1
             return result, f"only {acked} of {needed} replicas acknowledged it within {wait_ms} ms", new_connection
         return result, "", new_connection
+
+    def acks_needed(self) -> int | None:
+        """The acknowledgements a lease write waits for: the URL's ``replica_acks``, else the master's
+        ``min-replicas-to-write`` when it is set, else None (every replica the master has had)."""
+        if self.target.replica_acks is not None:
+            return self.target.replica_acks
+        return self.min_replicas if self.min_replicas else None
 
     # -- the clock at start ----------------------------------------------------------------------
     async def clock_offset(self, skew_max: float, local: Callable[[], float] | None = None) -> tuple[float, float]:

@@ -12,6 +12,7 @@ from typing import Any
 
 from .nodes import connect
 from .scripts import INIT_LUA
+from .settings import read_settings
 from .target import RedisTarget
 from .timings import new_epoch
 
@@ -69,6 +70,7 @@ async def pool_snapshot(target: RedisTarget) -> dict[str, Any]:
             pipe.info("replication")
             (seconds, micros), members, owners, last, counters, pool, server, replication = await pipe.execute()
         received = time.time()
+        settings = await read_settings(client)  # min-replicas-to-write (None: CONFIG unreadable)
     finally:
         await client.aclose()
     now_ms = seconds * 1000 + micros // 1000
@@ -104,6 +106,7 @@ async def pool_snapshot(target: RedisTarget) -> dict[str, Any]:
         "pool": pool_t,
         "redis_identity": f"{server.get('run_id', '-')}/{replication.get('master_replid', '-')}",
         "replicas_connected": int(replication.get("connected_slaves", 0)),
+        "min_replicas_to_write": settings.min_replicas,
         # Redis TIME minus this host's clock (the middle of the round trip): a step of Redis's clock
         # shows here, and in the daemons' STATS lease_redis_clock_offset_ms.
         "redis_clock_offset_ms": now_ms - int((sent + received) * 500),
@@ -118,6 +121,8 @@ def pool_stats(snapshot: dict[str, Any]) -> dict[str, Any]:
     now_ms = snapshot["now_ms"]
     barrier = int(pool.get("recovering_until_ms", 0))
     free = sum(1 for row in ids if not row["in_use"])
+
+    minimum = snapshot.get("min_replicas_to_write")
 
     def number(name: str) -> int | None:
         return int(pool[name]) if name in pool else None
@@ -180,9 +185,12 @@ def pool_stats(snapshot: dict[str, Any]) -> dict[str, Any]:
         # behind). 0 ahead once it is behind Redis's clock (no holder renewed for a ttl).
         "pool_mark_hw_ms": mark_hw,
         "pool_mark_ahead_ms": max(0, mark_hw - now_ms),
-        # The replica wait (issue 24): how many replicas each lease write must reach (the most this master
-        # has had since it started or was promoted, as the daemons recorded it; null before any did),
-        # and how many are connected now.
-        "replicas_expected": (number("replicas") if pool.get("replicas_under") == snapshot["redis_identity"] else None),
+        # The replica wait (issues 24, 32): how many replicas each lease write must reach (the master's
+        # min-replicas-to-write when set; else the most this master has had since it started or was
+        # promoted, as the daemons recorded it, null before any did), and how many are connected now.
+        "replicas_expected": minimum
+        if minimum
+        else (number("replicas") if pool.get("replicas_under") == snapshot["redis_identity"] else None),
         "replicas_connected": snapshot["replicas_connected"],
+        "min_replicas_to_write": minimum,
     }

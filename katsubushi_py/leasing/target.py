@@ -8,7 +8,7 @@ a script plus the ``WAIT`` after it can go over one connection to that slot's ma
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 DEFAULT_NAMESPACE = "katsubushi"
@@ -22,6 +22,13 @@ class NoFreeWorkerId(LeaseError):
     """Every worker id of the range is leased."""
 
 
+class LeaseRefused(LeaseError):
+    """Leasing cannot start safely, and retrying will not change that: Redis is set up so that a lease
+    could be lost (``min-replicas-to-write`` 0 beside replicas, an evicting ``maxmemory-policy``), or it
+    could not be reached or used for the whole ``--lease-start-timeout``. The daemon exits 2 (a
+    configuration to fix: the shipped systemd unit does not restart it)."""
+
+
 @dataclass(frozen=True)
 class RedisTarget:
     """Where the pool lives: a Redis URL without our own parameters, and the namespace.
@@ -32,7 +39,8 @@ class RedisTarget:
     ``seeds`` are the sentinels, or the cluster's seed nodes; ``service`` the master's name in
     Sentinel; ``sentinel_options`` what the sentinels themselves are connected with (redis-py's
     ``sentinel_kwargs``). ``replica_acks``: how many replicas must acknowledge each lease write (None:
-    every replica the master has had since it last started or was promoted; see ``link``)."""
+    the master's ``min-replicas-to-write``, else every replica it has had since it last started or was
+    promoted; see ``link``). ``allow``: the unsafe Redis settings start-up accepts (``settings``)."""
 
     url: str
     namespace: str
@@ -41,6 +49,7 @@ class RedisTarget:
     service: str = ""
     sentinel_options: tuple[tuple[str, object], ...] = ()
     replica_acks: int | None = None
+    allow: frozenset[str] = frozenset()  # unsafe Redis settings the URL accepts (``allow=``; see ALLOW)
 
     @property
     def sentinel(self) -> bool:
@@ -148,6 +157,61 @@ def _hosts(netloc: str, url: str, default_port: int) -> tuple[str, tuple[tuple[s
     return (auth + "@" if auth else ""), tuple(found)
 
 
+# What ``allow=`` may name: Redis settings that start-up otherwise refuses (see :mod:`.settings`).
+ALLOW = {
+    "no-min-replicas": "a master with replicas (or any Sentinel master) whose min-replicas-to-write is 0",
+    "evicting": "an allkeys-* maxmemory-policy",
+}
+# redis-py's own URL options (what ``from_url`` reads from the query, and the TLS ones it passes on).
+_REDIS_OPTIONS = {
+    "socket_timeout",
+    "socket_connect_timeout",
+    "socket_read_size",
+    "socket_keepalive",
+    "retry_on_timeout",
+    "max_connections",
+    "health_check_interval",
+    "timeout",
+    "protocol",
+    "client_name",
+    "ssl_ca_certs",
+    "ssl_ca_path",
+    "ssl_ca_data",
+    "ssl_certfile",
+    "ssl_keyfile",
+    "ssl_password",
+    "ssl_cert_reqs",
+    "ssl_check_hostname",
+    "ssl_min_version",
+}
+_OWN = ("ns", "replica_acks", "allow")
+
+
+def _allow(value: str) -> set[str]:
+    found = {item.strip() for item in value.split(",") if item.strip()}
+    unknown = sorted(found - set(ALLOW))
+    if unknown:
+        raise LeaseError(f"unknown allow={','.join(unknown)} in Redis URL (known: {', '.join(ALLOW)})")
+    return found
+
+
+def _passed_on(key: str, scheme: str) -> bool:
+    """Whether ``key`` is an option for redis-py (or, in a Sentinel URL, for the sentinels)."""
+    if key in _REDIS_OPTIONS or (key == "db" and scheme == "unix"):
+        return True
+    return scheme.endswith("+sentinel") and (key in ("db", "ssl") or key.startswith("sentinel_"))
+
+
+def _unknown_option(key: str, scheme: str) -> LeaseError:
+    """An option nobody reads: a typo (``nz=`` for ``ns=``) refused at once, not taken for an outage."""
+    known = [*_OWN, *(["db", "ssl", "sentinel_*"] if scheme.endswith("+sentinel") else [])]
+    known += ["db"] if scheme == "unix" else []
+    return LeaseError(
+        f"unknown parameter {key!r} in Redis URL (known: {', '.join(known)}, and redis-py's"
+        f" {', '.join(sorted(_REDIS_OPTIONS))})"
+    )
+
+
 def _replica_acks(value: str) -> int | None:
     if value == "all":
         return None
@@ -162,7 +226,8 @@ def parse_redis_url(url: str) -> RedisTarget:
     Sentinel's ``redis+sentinel://[user:pass@]host:26379[,host:26379...]/SERVICE?ns=NAME&db=N``
     (``rediss+sentinel://`` or ``ssl=true``: TLS to the master; ``sentinel_password``, ``sentinel_ssl``
     and the other ``sentinel_*`` options: how to reach the sentinels). Every form takes
-    ``replica_acks`` (``all``, the default, or a number)."""
+    ``replica_acks`` (``all``, the default, or a number), ``allow`` (unsafe Redis settings accepted
+    anyway: ``ALLOW``) and redis-py's connection options; any other parameter is a typo, refused."""
     parts = urlsplit(url)
     scheme = parts.scheme.lower()
     if scheme not in _SCHEMES:
@@ -172,18 +237,24 @@ def parse_redis_url(url: str) -> RedisTarget:
     query = parse_qsl(parts.query, keep_blank_values=True)
     namespace = DEFAULT_NAMESPACE
     acks: int | None = None
+    allow: set[str] = set()
     rest = []
     for key, value in query:
         if key == "ns":
             namespace = value
         elif key == "replica_acks":
             acks = _replica_acks(value)
-        else:
+        elif key == "allow":
+            allow |= _allow(value)
+        elif _passed_on(key, scheme):
             rest.append((key, value))
+        else:
+            raise _unknown_option(key, scheme)
     if not namespace or any(ch in namespace for ch in "{}"):
         raise LeaseError(f"invalid namespace {namespace!r} in Redis URL: it must be non-empty, without braces")
     if scheme.endswith("+sentinel"):
-        return _sentinel_target(url, scheme, parts.netloc, parts.path, rest, namespace, acks)
+        target = _sentinel_target(url, scheme, parts.netloc, parts.path, rest, namespace, acks)
+        return replace(target, allow=frozenset(allow))
     cluster = scheme == "rediscluster"
     seeds: tuple[tuple[str, int], ...] = ()
     netloc = parts.netloc
@@ -198,7 +269,9 @@ def parse_redis_url(url: str) -> RedisTarget:
     if scheme in ("redis", "rediss") and not cluster and not parts.hostname:
         raise LeaseError(f"Redis URL {url!r} has no host")
     clean = urlunsplit((scheme, netloc, parts.path, urlencode(rest), ""))
-    return RedisTarget(url=clean, namespace=namespace, cluster=cluster, seeds=seeds, replica_acks=acks)
+    return RedisTarget(
+        url=clean, namespace=namespace, cluster=cluster, seeds=seeds, replica_acks=acks, allow=frozenset(allow)
+    )
 
 
 def _sentinel_target(
