@@ -157,19 +157,39 @@ class RedisClockWatch:
 
     Why it matters: leases expire by Redis's clock. A forward step makes live leases look expired (the
     acquire leaves those whose holder's mark is still ahead alone, see :mod:`.scripts`), a backward one
-    makes them look longer; the log says which, so nobody hunts for a fault in the daemons."""
+    makes them look longer; the log says which, so nobody hunts for a fault in the daemons.
+
+    **A slow or paused Redis is not a step.** Redis read its clock somewhere within the round trip that
+    carried the reading, so each reading bounds the offset only to within that round trip: a renew
+    sent just before Redis was paused (a slow fork, a VM pause, SIGSTOP) and answered when it resumed
+    read Redis's clock at the end of a round trip of seconds. Judged by its midpoint, the next quick
+    reading looks like a backward step of half the pause. So a step counts only when the two readings'
+    ranges are apart by more than the threshold: a long round trip, on either side, can never prove a
+    step smaller than itself."""
 
     def __init__(self, threshold: float) -> None:
-        self.threshold = threshold  # seconds, beyond what the round trip explains
-        self.offset_ms: float | None = None  # Redis minus this host, at the last observation
+        self.threshold = threshold  # seconds, beyond what the round trips explain
+        self.offset_ms: float | None = None  # Redis minus this host, at the last observation (its midpoint)
+        self._bounds: tuple[float, float] | None = None  # the least and most the offset can have been (ms)
+
+    def seed(self, offset_ms: float, rtt: float) -> None:
+        """The start's clock check: Redis minus this host, judged by a round trip of ``rtt`` seconds."""
+        self.offset_ms = offset_ms
+        self._bounds = (offset_ms - rtt * 500, offset_ms + rtt * 500)
 
     def observe(self, redis_ms: int, local_sent_ms: int, rtt: float) -> float | None:
         """Redis read its clock somewhere within the round trip that started at ``local_sent_ms`` on our
-        clock; returns the step in seconds when the offset moved by more than the threshold (and the
-        round trip) since the last observation."""
-        offset = redis_ms - (local_sent_ms + rtt * 500)
-        previous, self.offset_ms = self.offset_ms, offset
-        if previous is None:
+        clock and lasted ``rtt`` seconds; returns the step in seconds (midpoint to midpoint) when the
+        offset's range moved by more than the threshold since the last observation."""
+        low, high = redis_ms - (local_sent_ms + rtt * 1000), float(redis_ms - local_sent_ms)
+        previous = self._bounds
+        if previous is None and self.offset_ms is not None:
+            previous = (self.offset_ms, self.offset_ms)
+        before = self.offset_ms
+        self._bounds, self.offset_ms = (low, high), (low + high) / 2
+        if previous is None or before is None:
             return None
-        step = (offset - previous) / 1000
-        return step if abs(step) > self.threshold + rtt else None
+        apart = max(low - previous[1], previous[0] - high)  # > 0: the two ranges do not overlap
+        if apart / 1000 <= self.threshold:
+            return None
+        return (self.offset_ms - before) / 1000

@@ -186,6 +186,7 @@ class LeaseKeeper:
         skew, rtt = await self.link.clock_offset(self.skew_max, lambda: self._local_ms() / 1000)
         if abs(skew) - rtt / 2 > self.skew_warn:
             log.warning("local clock differs from Redis TIME by %+.3fs (round trip %.3fs)", skew, rtt)
+        self.clock_watch.seed(-skew * 1000, rtt)
         return skew
 
     # -- acquire ---------------------------------------------------------------------------------
@@ -460,7 +461,6 @@ class LeaseKeeper:
                 self._wait(trouble(self.target.display, exc))
                 await asyncio.sleep(min(backoff.next(), deadline - time.monotonic()))  # last try at the deadline
         log.info("clock differs from Redis TIME by %+.3fs", skew)
-        self.clock_watch.offset_ms = -skew * 1000
         await self._lease_new_id(generator, deadline)
         await self._maintain(generator)
 

@@ -136,6 +136,9 @@ def pool_stats(snapshot: dict[str, Any]) -> dict[str, Any]:
         "redis_identity": snapshot["redis_identity"],
         "redis_changed_unseen": bool(stamped) and stamped != snapshot["redis_identity"],
         "redis_changes": counters.get("redis_changes", 0),
+        # New replication ids of the same master from its replication backlog being created (a replica
+        # attached): not a restart or failover, no doubt window.
+        "backlog_created": counters.get("backlog_created", 0),
         "last_change_ms": number("changed_ms"),
         "doubt_until_ms": doubt,
         "doubt_left_ms": max(0, doubt - now_ms),
