@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import DaemonFactory
+from conftest import DaemonFactory, wait_for_port
 from id_recorder import Recorder
 from lease_helpers import RENEW, TTL, init_pool, start_leased, stats, wait_until
 from redis_servers import RedisServer, start_redis
@@ -78,6 +78,7 @@ def test_a_replica_attached_to_a_running_master_is_not_a_failover(
         assert master.info("replication")["master_replid"] != before  # what made it look like a failover
         started = time.monotonic()
         second = start_leased(daemons, redis_server.url, *TWO, init=False, wait=False)
+        wait_for_port(second.port, second.proc)  # type: ignore[arg-type]
         wait_until(lambda: stats(second).get("lease_state") == "held", timeout=TTL + 20, step=0.02)
         took = time.monotonic() - started
         time.sleep(2 * RENEW)
