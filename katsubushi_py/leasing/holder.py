@@ -62,7 +62,12 @@ class Holding:
         # Whether the generator's fence is open under this lease: "held" only then, so a client that saw
         # "held" is never refused (a wait ends on the clock before the loop wakes to lift the fence).
         self.open = False
+        self.lapsed = False  # the last renew sent was sent after the lease lapsed (good 0)
         self.kept_through = 0  # changed_ms of the restart or failover this lease was kept through
+        # Until when the doubt window this lease already knows of lasts: the one it was taken in (it was
+        # not kept through that restart: it came after), then one it was kept through. A script that
+        # extends that window (a record found rewritten) re-stamps changed_ms: the same event.
+        self.window_until_ms = acquired.doubt_until_ms if acquired.doubt_until_ms > acquired.now_ms else 0
 
     @property
     def worker_id(self) -> int:
@@ -79,6 +84,7 @@ class Holding:
         comma-separated (one when they are the same); good 1 while the lease has never lapsed (sent
         before the deadline)."""
         good = 1 if now < self.good_until else 0
+        self.lapsed = not good
         return ",".join(map(str, self.marks)), good
 
     def _may_hold(self, mark_ms: int) -> None:
@@ -115,9 +121,15 @@ class Holding:
 
     def kept_after(self, reply: Renewed) -> bool:
         """Whether this renew shows the lease kept through a restart or failover seen since we took it
-        (reported once per change)."""
-        in_window = reply.doubt_until_ms > reply.now_ms
-        if in_window and reply.changed_ms > self.since_ms and self.kept_through != reply.changed_ms:
+        (reported once per change: not for the window the lease was taken in, however often a later
+        script re-stamps it)."""
+        if reply.doubt_until_ms <= reply.now_ms or reply.changed_ms == self.kept_through:
+            return False
+        if reply.changed_ms <= self.window_until_ms:  # the window we know of, extended
+            self.window_until_ms = max(self.window_until_ms, reply.doubt_until_ms)
+            return False
+        self.window_until_ms = reply.doubt_until_ms
+        if reply.changed_ms > self.since_ms:
             self.kept_through = reply.changed_ms
             return True
         return False
@@ -179,17 +191,17 @@ class RedisClockWatch:
 
     def observe(self, redis_ms: int, local_sent_ms: int, rtt: float) -> float | None:
         """Redis read its clock somewhere within the round trip that started at ``local_sent_ms`` on our
-        clock and lasted ``rtt`` seconds; returns the step in seconds (midpoint to midpoint) when the
-        offset's range moved by more than the threshold since the last observation."""
+        clock and lasted ``rtt`` seconds; returns the step in seconds when the offset's range moved by
+        more than the threshold since the last observation: the least step the two readings prove."""
         low, high = redis_ms - (local_sent_ms + rtt * 1000), float(redis_ms - local_sent_ms)
         previous = self._bounds
         if previous is None and self.offset_ms is not None:
             previous = (self.offset_ms, self.offset_ms)
-        before = self.offset_ms
         self._bounds, self.offset_ms = (low, high), (low + high) / 2
-        if previous is None or before is None:
+        if previous is None:
             return None
-        apart = max(low - previous[1], previous[0] - high)  # > 0: the two ranges do not overlap
-        if apart / 1000 <= self.threshold:
+        # > 0: the two ranges do not overlap, and the offset moved at least this far (up, or down).
+        up, down = low - previous[1], previous[0] - high
+        if max(up, down) / 1000 <= self.threshold:
             return None
-        return (self.offset_ms - before) / 1000
+        return up / 1000 if up > down else -down / 1000

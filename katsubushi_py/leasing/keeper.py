@@ -523,10 +523,11 @@ class LeaseKeeper:
     async def _lost(self, generator: Generator, outcome: RenewOutcome) -> None:
         """The id is not ours any more (or Redis forgot it): stop at once, say why, lease another."""
         old = self.holding.worker_id if self.holding is not None else -1
+        lapsed = self.holding.lapsed if self.holding is not None else False
         generator.retire_worker(WAITING)
         self.holding = None
         self._wait("the previous one was lost", quiet=True)
-        self.report.lost(old, outcome)
+        self.report.lost(old, outcome, lapsed)
         self.report.news(outcome)
         await self._lease_new_id(generator, None)
         self.stats.worker_id_changes += 1
