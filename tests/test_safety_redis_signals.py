@@ -13,6 +13,7 @@ what happened, so the alerts behind them page the right person.
 
 from __future__ import annotations
 
+import signal
 import time
 from pathlib import Path
 
@@ -156,3 +157,37 @@ def test_one_restart_is_one_event(tmp_path: Path, daemons: DaemonFactory) -> Non
                 assert log.count("leased worker id") == 1, log
     finally:
         server.stop()
+
+
+def test_a_paused_holder_quarantined_as_unreleased_is_no_data_loss(
+    daemons: DaemonFactory, redis_server: RedisServer
+) -> None:
+    """A holder paused past its lease (SIGSTOP: a VM pause, a GC storm) while another daemon waits for
+    an id: the waiting daemon finds the lease ended without a release and quarantines the id, as it
+    should; the holder, resumed, finds its owner entry gone. That is the ordinary quarantine of a
+    lapsed lease, not lost data: a WARNING, and lease_data_loss_events stays 0 (issue 32)."""
+    init_pool(redis_server.url, low=1, high=1)
+    one = ("--min-worker-id", "1", "--max-worker-id", "1")
+    holder = start_leased(daemons, redis_server.url, *one, init=False)
+    waiting = start_leased(daemons, redis_server.url, *one, init=False, wait=False)
+    wait_until(lambda: "no free worker id" in waiting.stderr(), timeout=15)
+    recorder = Recorder([holder, waiting]).start()
+    try:
+        time.sleep(RENEW)
+        holder.proc.send_signal(signal.SIGSTOP)
+        try:
+            wait_until(lambda: "ended without a release" in waiting.stderr(), timeout=TTL + 5)
+        finally:
+            holder.proc.send_signal(signal.SIGCONT)
+        wait_until(lambda: "lapsed before this daemon could renew it" in holder.stderr(), timeout=10)
+        time.sleep(RENEW)
+    finally:
+        recorder.stop()
+    assert recorder.duplicates() == 0, recorder.summary()
+    assert recorder.overlapping_holders() == []
+    print(f"holder paused past its lease: {recorder.summary()}")
+    log = holder.stderr()
+    assert "DATA LOSS" not in log, log
+    assert stats(holder)["lease_data_loss_events"] == "0" and stats(waiting)["lease_data_loss_events"] == "0"
+    line = next(line for line in log.splitlines() if "lapsed before this daemon could renew it" in line)
+    assert " WARNING " in line, line
