@@ -13,6 +13,7 @@ what happened, so the alerts behind them page the right person.
 
 from __future__ import annotations
 
+import json
 import signal
 import time
 from pathlib import Path
@@ -20,7 +21,7 @@ from pathlib import Path
 import pytest
 from conftest import DaemonFactory, wait_for_port
 from id_recorder import Recorder
-from lease_helpers import RENEW, TTL, init_pool, start_leased, stats, wait_until
+from lease_helpers import RENEW, TTL, init_pool, run_tool, start_leased, stats, wait_until
 from redis_servers import RedisServer, start_redis
 
 pytestmark = pytest.mark.once
@@ -77,6 +78,8 @@ def test_a_replica_attached_to_a_running_master_is_not_a_failover(
     try:
         wait_until(lambda: master.info("replication")["connected_slaves"] == 1, timeout=20)
         assert master.info("replication")["master_replid"] != before  # what made it look like a failover
+        summary = json.loads(run_tool("lease", "stats", "--redis", f"{redis_server.url}?ns=t").stdout)
+        assert summary["redis_identity"] != summary["pool_identity"] and not summary["redis_changed_unseen"]
         started = time.monotonic()
         second = start_leased(daemons, redis_server.url, *TWO, init=False, wait=False)
         wait_for_port(second.port, second.proc)  # type: ignore[arg-type]
