@@ -16,10 +16,11 @@ from __future__ import annotations
 import json
 import signal
 import time
+import urllib.request
 from pathlib import Path
 
 import pytest
-from conftest import DaemonFactory, wait_for_port
+from conftest import DaemonFactory, free_port, wait_for_port
 from id_recorder import Recorder
 from lease_helpers import RENEW, TTL, init_pool, run_tool, start_leased, stats, wait_until
 from redis_servers import RedisServer, start_redis
@@ -36,7 +37,10 @@ def test_a_paused_redis_is_not_a_clock_step(daemons: DaemonFactory, redis_server
     one in flight."""
     init_pool(redis_server.url, low=1, high=2)
     slow = ("--lease-ttl", "12s", "--lease-renew", "6s", "--lease-delay", "12s")
-    holders = [start_leased(daemons, redis_server.url, *TWO, *slow, init=False) for _ in range(2)]
+    http = [free_port(), free_port()]
+    holders = [
+        start_leased(daemons, redis_server.url, *TWO, *slow, "--http-port", str(port), init=False) for port in http
+    ]
     recorder = Recorder(holders).start()
     try:
         time.sleep(1)
@@ -63,6 +67,10 @@ def test_a_paused_redis_is_not_a_clock_step(daemons: DaemonFactory, redis_server
         log = d.stderr()
         assert "clock stepped" not in log, log
         assert fields["lease_redis_clock_steps"] == "0", fields
+        # The metric behind KatsubushiRedisClockStepped.
+        with urllib.request.urlopen(f"http://127.0.0.1:{http[index]}/metrics", timeout=5) as reply:
+            metrics = reply.read().decode()
+        assert "\nkatsubushi_lease_redis_clock_steps_total 0.0\n" in metrics, metrics
         assert fields["lease_state"] == "held" and recorder.served(index, resumed), fields
         assert "stopped issuing" in log  # the pause outlasted the lease: it did stop, and said so
 
