@@ -62,6 +62,10 @@ class Node:
     run_id: str
     replid: str
     clock_offset: float = 0.0  # Redis TIME minus true time, seconds
+    # Redis keeps the replication id a promoted replica had (its master's) as master_replid2; a new
+    # process, or a master creating its backlog, has none (all zeros). The scripts tell a promotion from
+    # the backlog's new id by it.
+    replid2: str = "0" * 40
     role: str = "master"
     up: bool = True
     paused_until: float = 0.0
@@ -250,6 +254,7 @@ class RedisWorld:
         self.write(node, dumps)
         if node.role == "master":
             node.replid = self.hex_id()
+            node.replid2 = "0" * 40
             node.joined = {}
             node.counted = set()
             node.index = 0
@@ -267,6 +272,7 @@ class RedisWorld:
             old.replicas.remove(replica)
         replica.role = "master"
         replica.master = None
+        replica.replid2 = old.replid if old is not None else replica.replid
         replica.replid = self.hex_id()
         replica.generation += 1
         replica.index = 0
@@ -298,7 +304,7 @@ class RedisWorld:
         """Run one of the lease scripts on ``node`` now (the simulated TIME and INFO), and replicate."""
         now = self.redis_time(node)
         seconds = math.floor(now)
-        server, replication = self.backend.info(node.run_id, node.replid, len(node.connected_replicas()))
+        server, replication = self.backend.info(node.run_id, node.replid, len(node.connected_replicas()), node.replid2)
         env = {"s": seconds, "us": int((now - seconds) * 1e6), "server": server, "replication": replication}
         pipe = self.backend.client(node.db).pipeline(transaction=False)
         pipe.hset(ENV_KEY, mapping=env)

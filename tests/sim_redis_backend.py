@@ -8,7 +8,8 @@ places, ``redis.call('TIME')``, ``redis.call('INFO', 'server')`` and ``redis.cal
 'replication')``; :func:`simulated` replaces those three calls (and nothing else:
 tests/test_sim_leasing.py checks it) by reads of a hash the simulator writes before each script, holding
 the node's simulated clock and the backend's real INFO text with the node's simulated ``run_id``,
-``master_replid`` and ``connected_slaves``. The rest of each script is byte for byte the production one.
+``master_replid``, ``master_replid2`` (and ``second_repl_offset``) and ``connected_slaves``. The rest
+of each script is byte for byte the production one.
 
 A module of its own because it is the one part of the simulated Redis that is not a model: what it
 rewrites is what tests/test_sim_leasing.py checks, and it needs neither the virtual loop nor the world.
@@ -69,7 +70,13 @@ class Backend:
         # the simulation controls.
         self.info_server = first.eval("return redis.call('INFO', 'server')", 0).decode()
         self.info_replication = first.eval("return redis.call('INFO', 'replication')", 0).decode()
-        for pattern in (r"\brun_id:[0-9a-f]+", r"\bmaster_replid:[0-9a-f]+", r"\bconnected_slaves:\d+"):
+        for pattern in (
+            r"\brun_id:[0-9a-f]+",
+            r"\bmaster_replid:[0-9a-f]+",
+            r"\bmaster_replid2:[0-9a-f]+",
+            r"\bsecond_repl_offset:-?\d+",
+            r"\bconnected_slaves:\d+",
+        ):
             if not re.search(pattern, self.info_server + self.info_replication):
                 raise AssertionError(f"redis-server's INFO has no {pattern}")
 
@@ -79,9 +86,12 @@ class Backend:
             client = self._clients[db] = redis.Redis(unix_socket_path=self.socket_path, db=db, socket_timeout=30)
         return client
 
-    def info(self, run_id: str, replid: str, replicas: int) -> tuple[str, str]:
+    def info(self, run_id: str, replid: str, replicas: int, replid2: str = "0" * 40) -> tuple[str, str]:
         server = re.sub(r"\brun_id:[0-9a-f]+", f"run_id:{run_id}", self.info_server)
         replication = re.sub(r"\bmaster_replid:[0-9a-f]+", f"master_replid:{replid}", self.info_replication)
+        replication = re.sub(r"\bmaster_replid2:[0-9a-f]+", f"master_replid2:{replid2}", replication)
+        second = "-1" if replid2 == "0" * 40 else "1"
+        replication = re.sub(r"\bsecond_repl_offset:-?\d+", f"second_repl_offset:{second}", replication)
         replication = re.sub(r"\bconnected_slaves:\d+", f"connected_slaves:{replicas}", replication)
         return server, replication
 

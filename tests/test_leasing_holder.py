@@ -95,6 +95,22 @@ def test_kept_through_a_change_is_reported_once() -> None:
     assert not later.kept_after(renewed(**window))  # leased after the change: nothing was kept
 
 
+def test_a_lease_taken_in_a_doubt_window_is_not_kept_through_it() -> None:
+    """Every script that extends a doubt window (a record found rewritten after the restart) re-stamps
+    its changed_ms: a lease taken in the window, after the restart, saw a later changed_ms at its next
+    renew and was logged as kept through the restart (issue 32). The same for a lease kept through it
+    once: the re-stamp is the same event."""
+    taken = Holding(acquired(doubt_until_ms=NOW_MS + 9000, changed_ms=NOW_MS - 100), TIMINGS, 100.0, 100.0, NOW_MS, 0)
+    restamped = {"doubt_until_ms": NOW_MS + 9500, "changed_ms": NOW_MS + 500}
+    assert not taken.kept_after(renewed(**restamped))
+    assert not taken.kept_after(renewed(now_ms=NOW_MS + 9000, doubt_until_ms=NOW_MS + 12_000, changed_ms=NOW_MS + 8000))
+    # A restart after that window ended is one it was kept through.
+    assert taken.kept_after(renewed(now_ms=NOW_MS + 20_000, doubt_until_ms=NOW_MS + 30_000, changed_ms=NOW_MS + 19_000))
+    held = Holding(acquired(), TIMINGS, 100.0, 100.0, NOW_MS, 0)
+    assert held.kept_after(renewed(doubt_until_ms=NOW_MS + 9000, changed_ms=NOW_MS + 500))
+    assert not held.kept_after(renewed(now_ms=NOW_MS + 2000, doubt_until_ms=NOW_MS + 10_000, changed_ms=NOW_MS + 1900))
+
+
 # -- Redis's clock -----------------------------------------------------------------------------------
 def test_redis_clock_steps_are_told_from_round_trips() -> None:
     watch = RedisClockWatch(threshold=0.5)
@@ -105,6 +121,30 @@ def test_redis_clock_steps_are_told_from_round_trips() -> None:
     assert watch.observe(NOW_MS + 3500, NOW_MS + 3500, rtt=0.002) is None
     assert watch.observe(NOW_MS + 9500, NOW_MS + 4500, rtt=0.002) == pytest.approx(5.0, abs=0.01)
     assert watch.observe(NOW_MS - 25_000, NOW_MS + 5000, rtt=0.002) == pytest.approx(-35.0, abs=0.01)
+
+
+def test_a_paused_redis_is_not_a_clock_step() -> None:
+    """A renew in flight while Redis was paused, answered when it resumed: Redis read its clock at the
+    end of a 4 s round trip. Its midpoint is 2 s off the true offset, and the next quick renew looked
+    like a 2 s backward step (issue 32). Its range covers the true offset: no step."""
+    watch = RedisClockWatch(threshold=0.5)
+    watch.seed(0.0, rtt=0.002)
+    assert watch.observe(NOW_MS + 1000, NOW_MS + 1000, rtt=0.002) is None
+    assert watch.observe(NOW_MS + 6000, NOW_MS + 2000, rtt=4.0) is None  # sent at 2 s, read at 6 s
+    assert watch.observe(NOW_MS + 7000, NOW_MS + 7000, rtt=0.002) is None
+    # A step a long round trip cannot explain is still one, on either side of it.
+    assert watch.observe(NOW_MS + 9000, NOW_MS + 8000, rtt=4.0) is None  # within its 4 s: unproven
+    assert watch.observe(NOW_MS + 19_000, NOW_MS + 10_000, rtt=0.002) == pytest.approx(8.0, abs=0.01)  # at least
+    assert watch.offset_ms == pytest.approx(8999, abs=1)
+
+
+def test_the_start_check_seeds_the_watch_with_its_round_trip() -> None:
+    watch = RedisClockWatch(threshold=0.5)
+    watch.seed(-800.0, rtt=2.0)  # a slow start check: the offset was anywhere in -1.8 .. +0.2 s
+    assert watch.observe(NOW_MS, NOW_MS, rtt=0.002) is None
+    watch = RedisClockWatch(threshold=0.5)
+    watch.seed(-800.0, rtt=0.002)
+    assert watch.observe(NOW_MS, NOW_MS, rtt=0.002) == pytest.approx(0.8, abs=0.01)
 
 
 def test_waits_derived_from_the_timings() -> None:
@@ -143,6 +183,35 @@ def test_a_restart_is_reported_once_per_change(reporter: Reporter, caplog: pytes
     messages = [r.getMessage() for r in caplog.records]
     assert len(messages) == 1 and "restarted or failed over (this daemon saw first" in messages[0]
     assert "(5.0s: lease ttl + 2 x clock skew max)" in messages[0]
+
+
+def test_a_window_restamped_is_the_same_restart(reporter: Reporter, caplog: pytest.LogCaptureFixture) -> None:
+    """One Redis restart was reported up to three times (issue 32): each script that extends its doubt
+    window (a record found rewritten, a holder that cannot vouch) stamps changed_ms anew."""
+    reporter.news(PoolNews(now_ms=NOW_MS, doubt_until_ms=NOW_MS + 5000, changed_ms=NOW_MS))
+    reporter.news(PoolNews(now_ms=NOW_MS + 20, doubt_until_ms=NOW_MS + 5020, changed_ms=NOW_MS + 20))
+    reporter.news(PoolNews(now_ms=NOW_MS + 900, doubt_until_ms=NOW_MS + 5900, changed_ms=NOW_MS + 900))
+    assert reporter.stats.redis_changes == 1 and len(caplog.records) == 1
+    # A restart after the window ended is another; this daemon's own script seeing a new identity too.
+    reporter.news(PoolNews(now_ms=NOW_MS + 9000, doubt_until_ms=NOW_MS + 14_000, changed_ms=NOW_MS + 9000))
+    reporter.news(
+        PoolNews(now_ms=NOW_MS + 9500, doubt_until_ms=NOW_MS + 14_500, changed_ms=NOW_MS + 9500, change="changed")
+    )
+    assert reporter.stats.redis_changes == 3 and len(caplog.records) == 3
+
+
+def test_a_lapsed_holder_quarantined_as_unreleased_is_no_data_loss(
+    reporter: Reporter, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A holder paused past its lease finds its owner entry gone: another daemon quarantined the id as
+    ended without a release, as it should. A WARNING, not DATA LOSS (issue 32); the same finding by a
+    holder whose lease never lapsed is lost data."""
+    vanished = RecordLost(now_ms=NOW_MS, what="owner entry vanished", until_ms=NOW_MS + 5000)
+    reporter.lost(5, vanished, lapsed=True)
+    assert caplog.records[0].levelname == "WARNING" and "DATA LOSS" not in caplog.records[0].getMessage()
+    assert "lapsed" in caplog.records[0].getMessage() and reporter.stats.data_loss_events == 0
+    reporter.lost(5, vanished, lapsed=False)
+    assert caplog.records[1].getMessage().startswith("DATA LOSS") and reporter.stats.data_loss_events == 1
 
 
 @pytest.mark.parametrize(

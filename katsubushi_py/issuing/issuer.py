@@ -40,6 +40,22 @@ MAX_IDS_PER_REQUEST = 1000
 # An unexpected exception is logged with its traceback at most this often per exception type.
 _LOG_INTERVAL_S = 10.0
 
+# Requests refused for a reason the daemon would otherwise not log: one line when refusals of that kind
+# start, then at most one this often while they go on (with how many there were since). Refusals
+# while the lease is not confirmed are not among them: the lease keeper logs why it has no lease,
+# when issuing stops at its deadline and when it resumes.
+_REFUSAL_LOG_INTERVAL_S = 10.0
+_REFUSALS_LOGGED_ELSEWHERE = frozenset({"lease_unconfirmed"})
+_REFUSAL_HINTS = {
+    "state_file": "requests for IDs are refused until it can be written (a full disk, permissions, a read-only"
+    " file system)",
+    "clock_backwards": "this host's clock went back (the daemon counts on its monotonic clock, so a VM restored"
+    " or migrated, or a clock set by hand); requests for IDs are refused until it passes the last issued"
+    " millisecond",
+    "layout_exhausted": "no ID fits the layout any more",
+    "closed": "the daemon is shutting down",
+}
+
 
 class Failure(NamedTuple):
     """Why a request got no IDs: ``reason`` for counters and metrics, ``message`` for the client."""
@@ -84,6 +100,7 @@ class Issuer:
         self.stats_fields: Callable[[], list[tuple[str, object]]] = self._basic_fields
         self.settings_fields: Callable[[], list[tuple[str, object]]] = self._basic_settings
         self._logged: dict[type, float] = {}
+        self._refusals: dict[str, list[float]] = {}  # reason -> [when last logged, refused since]
 
     @property
     def generator(self) -> Generator:
@@ -115,6 +132,8 @@ class Issuer:
         traceback (at most every few seconds per type) and answered as ``internal``."""
         if isinstance(exc, GenerationError):
             reason, message = exc.reason, " ".join(str(exc).split()) or type(exc).__name__
+            if reason not in _REFUSALS_LOGGED_ELSEWHERE:
+                self._refused(reason, message)
         else:
             reason, message = "internal", f"internal error ({type(exc).__name__}); see the daemon's log"
             now = time.monotonic()
@@ -123,6 +142,21 @@ class Issuer:
                 log.error("unexpected error while issuing IDs (%s request)", counters.protocol, exc_info=exc)
         counters.failures[reason] = counters.failures.get(reason, 0) + 1
         return Failure(reason, message)
+
+    def _refused(self, reason: str, message: str) -> None:
+        """Say why requests are refused: a state file that cannot be written or a clock behind refused
+        every request for seconds without a line in the log (issue 32). Rate-limited per reason."""
+        now = time.monotonic()
+        seen = self._refusals.get(reason)
+        if seen is not None and now - seen[0] < _REFUSAL_LOG_INTERVAL_S:
+            seen[1] += 1
+            return
+        more = (
+            f" ({int(seen[1])} more refused in the last {now - seen[0]:.0f}s)" if seen is not None and seen[1] else ""
+        )
+        hint = _REFUSAL_HINTS.get(reason)
+        log.warning("refusing requests for IDs (%s): %s%s%s", reason, message, f"; {hint}" if hint else "", more)
+        self._refusals[reason] = [now, 0]
 
     def issue(self, counters: Counters, n: int = 1) -> list[int] | Failure:
         """``n`` increasing IDs (1 <= n), or why not. Raises :class:`ClockWait` (nothing counted) when

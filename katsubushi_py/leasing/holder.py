@@ -62,7 +62,12 @@ class Holding:
         # Whether the generator's fence is open under this lease: "held" only then, so a client that saw
         # "held" is never refused (a wait ends on the clock before the loop wakes to lift the fence).
         self.open = False
+        self.lapsed = False  # the last renew sent was sent after the lease lapsed (good 0)
         self.kept_through = 0  # changed_ms of the restart or failover this lease was kept through
+        # Until when the doubt window this lease already knows of lasts: the one it was taken in (it was
+        # not kept through that restart: it came after), then one it was kept through. A script that
+        # extends that window (a record found rewritten) re-stamps changed_ms: the same event.
+        self.window_until_ms = acquired.doubt_until_ms if acquired.doubt_until_ms > acquired.now_ms else 0
 
     @property
     def worker_id(self) -> int:
@@ -79,6 +84,7 @@ class Holding:
         comma-separated (one when they are the same); good 1 while the lease has never lapsed (sent
         before the deadline)."""
         good = 1 if now < self.good_until else 0
+        self.lapsed = not good
         return ",".join(map(str, self.marks)), good
 
     def _may_hold(self, mark_ms: int) -> None:
@@ -115,9 +121,15 @@ class Holding:
 
     def kept_after(self, reply: Renewed) -> bool:
         """Whether this renew shows the lease kept through a restart or failover seen since we took it
-        (reported once per change)."""
-        in_window = reply.doubt_until_ms > reply.now_ms
-        if in_window and reply.changed_ms > self.since_ms and self.kept_through != reply.changed_ms:
+        (reported once per change: not for the window the lease was taken in, however often a later
+        script re-stamps it)."""
+        if reply.doubt_until_ms <= reply.now_ms or reply.changed_ms == self.kept_through:
+            return False
+        if reply.changed_ms <= self.window_until_ms:  # the window we know of, extended
+            self.window_until_ms = max(self.window_until_ms, reply.doubt_until_ms)
+            return False
+        self.window_until_ms = reply.doubt_until_ms
+        if reply.changed_ms > self.since_ms:
             self.kept_through = reply.changed_ms
             return True
         return False
@@ -157,19 +169,39 @@ class RedisClockWatch:
 
     Why it matters: leases expire by Redis's clock. A forward step makes live leases look expired (the
     acquire leaves those whose holder's mark is still ahead alone, see :mod:`.scripts`), a backward one
-    makes them look longer; the log says which, so nobody hunts for a fault in the daemons."""
+    makes them look longer; the log says which, so nobody hunts for a fault in the daemons.
+
+    **A slow or paused Redis is not a step.** Redis read its clock somewhere within the round trip that
+    carried the reading, so each reading bounds the offset only to within that round trip: a renew
+    sent just before Redis was paused (a slow fork, a VM pause, SIGSTOP) and answered when it resumed
+    read Redis's clock at the end of a round trip of seconds. Judged by its midpoint, the next quick
+    reading looks like a backward step of half the pause. So a step counts only when the two readings'
+    ranges are apart by more than the threshold: a long round trip, on either side, can never prove a
+    step smaller than itself."""
 
     def __init__(self, threshold: float) -> None:
-        self.threshold = threshold  # seconds, beyond what the round trip explains
-        self.offset_ms: float | None = None  # Redis minus this host, at the last observation
+        self.threshold = threshold  # seconds, beyond what the round trips explain
+        self.offset_ms: float | None = None  # Redis minus this host, at the last observation (its midpoint)
+        self._bounds: tuple[float, float] | None = None  # the least and most the offset can have been (ms)
+
+    def seed(self, offset_ms: float, rtt: float) -> None:
+        """The start's clock check: Redis minus this host, judged by a round trip of ``rtt`` seconds."""
+        self.offset_ms = offset_ms
+        self._bounds = (offset_ms - rtt * 500, offset_ms + rtt * 500)
 
     def observe(self, redis_ms: int, local_sent_ms: int, rtt: float) -> float | None:
         """Redis read its clock somewhere within the round trip that started at ``local_sent_ms`` on our
-        clock; returns the step in seconds when the offset moved by more than the threshold (and the
-        round trip) since the last observation."""
-        offset = redis_ms - (local_sent_ms + rtt * 500)
-        previous, self.offset_ms = self.offset_ms, offset
+        clock and lasted ``rtt`` seconds; returns the step in seconds when the offset's range moved by
+        more than the threshold since the last observation: the least step the two readings prove."""
+        low, high = redis_ms - (local_sent_ms + rtt * 1000), float(redis_ms - local_sent_ms)
+        previous = self._bounds
+        if previous is None and self.offset_ms is not None:
+            previous = (self.offset_ms, self.offset_ms)
+        self._bounds, self.offset_ms = (low, high), (low + high) / 2
         if previous is None:
             return None
-        step = (offset - previous) / 1000
-        return step if abs(step) > self.threshold + rtt else None
+        # > 0: the two ranges do not overlap, and the offset moved at least this far (up, or down).
+        up, down = low - previous[1], previous[0] - high
+        if max(up, down) / 1000 <= self.threshold:
+            return None
+        return up / 1000 if up > down else -down / 1000

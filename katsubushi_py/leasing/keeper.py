@@ -188,6 +188,7 @@ class LeaseKeeper:
         skew, rtt = await self.link.clock_offset(self.skew_max, lambda: self._local_ms() / 1000)
         if abs(skew) - rtt / 2 > self.skew_warn:
             log.warning("local clock differs from Redis TIME by %+.3fs (round trip %.3fs)", skew, rtt)
+        self.clock_watch.seed(-skew * 1000, rtt)
         return skew
 
     # -- acquire ---------------------------------------------------------------------------------
@@ -465,7 +466,6 @@ class LeaseKeeper:
                 self._wait(trouble(self.target.display, exc))
                 await asyncio.sleep(min(backoff.next(), deadline - time.monotonic()))  # last try at the deadline
         log.info("clock differs from Redis TIME by %+.3fs", skew)
-        self.clock_watch.offset_ms = -skew * 1000
         await self._lease_new_id(generator, deadline)
         await self._maintain(generator)
 
@@ -529,10 +529,11 @@ class LeaseKeeper:
     async def _lost(self, generator: Generator, outcome: RenewOutcome) -> None:
         """The id is not ours any more (or Redis forgot it): stop at once, say why, lease another."""
         old = self.holding.worker_id if self.holding is not None else -1
+        lapsed = self.holding.lapsed if self.holding is not None else False
         generator.retire_worker(WAITING)
         self.holding = None
         self._wait("the previous one was lost", quiet=True)
-        self.report.lost(old, outcome)
+        self.report.lost(old, outcome, lapsed)
         self.report.news(outcome)
         await self._lease_new_id(generator, None)
         self.stats.worker_id_changes += 1

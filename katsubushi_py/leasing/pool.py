@@ -105,6 +105,11 @@ async def pool_snapshot(target: RedisTarget) -> dict[str, Any]:
         "counters": {_text(k): int(v) for k, v in counters.items()},
         "pool": pool_t,
         "redis_identity": f"{server.get('run_id', '-')}/{replication.get('master_replid', '-')}",
+        # A master whose replication id is new only because it created its backlog (a replica attached):
+        # the scripts re-stamp the pool without a doubt window (see leasing.scripts, backlog_created).
+        "backlog_only": replication.get("role") == "master"
+        and str(replication.get("master_replid2", "")).strip("0") == ""
+        and int(replication.get("second_repl_offset", 0)) == -1,
         "replicas_connected": int(replication.get("connected_slaves", 0)),
         "min_replicas_to_write": settings.min_replicas,
         # Redis TIME minus this host's clock (the middle of the round trip): a step of Redis's clock
@@ -162,8 +167,15 @@ def pool_stats(snapshot: dict[str, Any]) -> dict[str, Any]:
         # seen, and the doubt window after the last one.
         "pool_identity": stamped,
         "redis_identity": snapshot["redis_identity"],
-        "redis_changed_unseen": bool(stamped) and stamped != snapshot["redis_identity"],
+        "redis_changed_unseen": bool(stamped)
+        and stamped != snapshot["redis_identity"]
+        and not (
+            snapshot.get("backlog_only") and str(stamped).split("/")[0] == str(snapshot["redis_identity"]).split("/")[0]
+        ),
         "redis_changes": counters.get("redis_changes", 0),
+        # New replication ids of the same master from its replication backlog being created (a replica
+        # attached): not a restart or failover, no doubt window.
+        "backlog_created": counters.get("backlog_created", 0),
         "last_change_ms": number("changed_ms"),
         "doubt_until_ms": doubt,
         "doubt_left_ms": max(0, doubt - now_ms),

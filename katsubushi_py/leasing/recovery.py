@@ -82,16 +82,27 @@ class Reporter:
     recovery_wait: float  # seconds
     unreleased_wait: float
     _changes_seen: int = 0  # changed_ms of the last restart or failover reported
+    _window_until: int = 0  # when the doubt window of the last one reported ends (extended as it is)
 
     # -- the pool as a whole ---------------------------------------------------------------------
     def news(self, news: PoolNews) -> None:
-        """A restart or failover of Redis, whether this daemon's script saw it first or learned of it."""
+        """A restart or failover of Redis, whether this daemon's script saw it first or learned of it.
+
+        One restart is one event: every script that opens or extends its doubt window (the identity
+        check, a record found rewritten, a holder that cannot vouch) stamps the window's ``changed_ms``
+        anew, so a stamp within the window already reported is that event, not another; only this
+        daemon's own script seeing the identity change (``change`` 'changed') is always a new one."""
         if not news.changed_ms or news.changed_ms == self._changes_seen:
             return
         first = news.change == "changed"
         if not first and news.doubt_until_ms <= news.now_ms:
             return  # an old one, over before we looked
+        if not first and news.changed_ms <= self._window_until:
+            self._changes_seen = news.changed_ms
+            self._window_until = max(self._window_until, news.doubt_until_ms)
+            return
         self._changes_seen = news.changed_ms
+        self._window_until = news.doubt_until_ms
         self.stats.redis_changes += 1
         left = max(0.0, (news.doubt_until_ms - news.now_ms) / 1000)
         seen = "this daemon saw first" if first else f"seen at {_at(news.changed_ms)}"
@@ -159,8 +170,20 @@ class Reporter:
             )
 
     # -- one lease -------------------------------------------------------------------------------
-    def lost(self, worker_id: int, outcome: RenewOutcome) -> None:
-        """The renew found the id no longer ours, or Redis lost or rewrote it: say what and why."""
+    def lost(self, worker_id: int, outcome: RenewOutcome, lapsed: bool = False) -> None:
+        """The renew found the id no longer ours, or Redis lost or rewrote it: say what and why.
+        ``lapsed``: the renew was sent after this daemon's lease had lapsed (a pause of this daemon or
+        of Redis, a cut-off): then an owner entry gone is the ordinary quarantine of a lease that ended
+        without a release, not lost data."""
+        if lapsed and isinstance(outcome, RecordLost) and outcome.what == "owner entry vanished":
+            self.stats.quarantined_ids += 1
+            log.warning(
+                "worker id %d's lease lapsed before this daemon could renew it (this daemon or Redis was paused,"
+                " slow or cut off), and another daemon found it ended without a release and quarantined it:"
+                " this daemon had stopped issuing under it at its deadline; leasing another",
+                worker_id,
+            )
+            return
         if isinstance(outcome, TakenOver):
             if outcome.doubt_until_ms > outcome.now_ms:
                 self.stats.data_loss_events += 1

@@ -158,8 +158,24 @@ local function open_doubt(wait, mark)
   return until_ms
 end
 
--- Compare the Redis the pool was last stamped under with this one: 'same', 'new' (no stamp yet: a pool
--- made before this format) or 'changed' (a restart or a failover since: a doubt window opens).
+-- Whether a change of identity from stored to cur is the master's own history going on: the same
+-- process (run_id), a master now, whose replication id changed without a promotion. Redis gives a
+-- master a new replication id when it creates its replication backlog (the first replica attaching,
+-- or one attaching after repl-backlog-ttl freed it) and clears master_replid2 then; a promotion
+-- (REPLICAOF NO ONE, a failover) keeps the id it had in master_replid2 instead. So a master that was
+-- demoted, resynced from another (losing writes) and promoted again shows its old id, or another
+-- master's, in master_replid2, and is a change. A restart is a new run_id.
+local function backlog_created(stored, cur)
+  local run = string.match(stored, '^(%x+)/')
+  if not run or run ~= string.match(cur, '^(%x+)/') then return false end
+  local r = redis.call('INFO', 'replication')
+  return string.match(r, 'role:(%a+)') == 'master' and string.match(r, 'master_replid2:(%x+)') ==
+    string.rep('0', 40) and string.match(r, 'second_repl_offset:(%-?%d+)') == '-1'
+end
+
+-- Compare the Redis the pool was last stamped under with this one: 'same' (or the same master with a
+-- replication backlog created since: re-stamped, nothing was lost), 'new' (no stamp yet: a pool made
+-- before this format) or 'changed' (a restart or a failover since: a doubt window opens).
 -- Only for a pool that exists. Returns the state and the identity before.
 local function check_identity(wait, mark)
   local cur = server_identity()
@@ -167,6 +183,10 @@ local function check_identity(wait, mark)
   if stored == cur then return 'same', cur end
   redis.call('HSET', KEYS[6], 'identity', cur)
   if not stored then return 'new', '' end
+  if backlog_created(stored, cur) then
+    redis.call('HINCRBY', KEYS[5], 'backlog_created', 1)
+    return 'same', cur
+  end
   redis.call('HSET', KEYS[6], 'identity_before', stored)
   redis.call('HINCRBY', KEYS[5], 'redis_changes', 1)
   open_doubt(wait, mark)
