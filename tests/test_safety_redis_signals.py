@@ -86,6 +86,8 @@ def test_a_replica_attached_to_a_running_master_is_not_a_failover(
     try:
         wait_until(lambda: master.info("replication")["connected_slaves"] == 1, timeout=20)
         assert master.info("replication")["master_replid"] != before  # what made it look like a failover
+        # A master with a replica and min-replicas-to-write 0 is refused at start (test_redis_settings.py).
+        master.config_set("min-replicas-to-write", 1)
         summary = json.loads(run_tool("lease", "stats", "--redis", f"{redis_server.url}?ns=t").stdout)
         assert summary["redis_identity"] != summary["pool_identity"] and not summary["redis_changed_unseen"]
         started = time.monotonic()
