@@ -31,11 +31,12 @@ say): one incomplete frame (``MAX_FRAME`` + 9 bytes); ``MAX_STREAMS`` open calls
 with RST_STREAM REFUSED_STREAM), each holding at most one request message of ``MAX_MESSAGE`` bytes
 (a larger one is ``RESOURCE_EXHAUSTED``) and at most one reply that the client's flow-control window
 does not take yet (at most about 10 KB: 1,000 IDs); a header list of ``MAX_HEADER_LIST`` bytes (a larger
-one closes the connection with GOAWAY: HPACK cannot skip a block); while a call waits for the clock,
-one read of input. PING, SETTINGS, RST_STREAM, PRIORITY, empty DATA and unknown frames draw on a
-budget of ``FLOOD_BURST`` refilled at ``FLOOD_RATE`` a second; a client that spends it is sent
-GOAWAY ENHANCE_YOUR_CALM (the HTTP/2 flood attacks of 2019 and 2023). Replies the client does not
-read stop the reading of its requests (the connection glue's flow control).
+one closes the connection with GOAWAY: HPACK cannot skip a block), and a header block (HEADERS and
+CONTINUATIONs) of ``MAX_HEADER_BLOCK`` bytes that must end within the request deadline; while a call
+waits for the clock, one read of input. Every frame the slow path takes draws on a budget of
+``FLOOD_BURST`` refilled at ``FLOOD_RATE`` a second and by each call answered; a client that spends it
+is sent GOAWAY ENHANCE_YOUR_CALM (the HTTP/2 flood attacks of 2019 and 2023; :mod:`.grpc_budget`).
+Replies the client does not read stop the reading of its requests (the connection glue's flow control).
 """
 
 from __future__ import annotations
@@ -64,27 +65,22 @@ from hyperframe.frame import RstStreamFrame
 
 from ..issuing.errors import ClockWait
 from . import grpc_service as svc
+from .grpc_budget import FrameBudget
 from .grpc_fast import GrpcCore
 from .grpc_frames import (
-    ACK,
     CONTINUATION,
-    DATA,
     END_HEADERS,
     END_STREAM,
-    FLOOD_BURST,
-    FLOOD_RATE,
-    GOAWAY,
     HEADERS,
     HTTP1_METHODS,
     HTTP1_REPLY,
     MAX_FRAME,
+    MAX_HEADER_BLOCK,
     MAX_HEADER_LIST,
     MAX_MESSAGE,
     MAX_STREAMS,
-    PING,
     PREFACE,
     RST_STREAM,
-    SETTINGS,
     WINDOW_UPDATE,
     frame,
     literal_block,
@@ -163,15 +159,17 @@ class GrpcConnection(GrpcCore):
     backlog = False
 
     __slots__ = (
+        "_answered",
+        "_block",
+        "_budget",
         "_calls",
         "_draining",
         "_fast_ok",
         "_h2",
         "_held",
+        "_requests",
         "_service",
         "_started",
-        "_tokens",
-        "_tokens_at",
         "_waiting",
     )
 
@@ -197,8 +195,10 @@ class GrpcConnection(GrpcCore):
         self._held = b""  # input that arrived while a call waits for the clock
         self._started = False
         self._draining = False  # a GOAWAY was sent or received: no new calls
-        self._tokens = float(FLOOD_BURST)
-        self._tokens_at = time.monotonic()
+        self._budget = FrameBudget(time.monotonic())
+        self._requests = 0  # calls the slow path opened (activity less these: the fast path's calls)
+        self._answered = 0  # calls the slow path answered
+        self._block = 0  # bytes of a header block begun and not ended (the request deadline watches it)
 
     # -- the slow path ---------------------------------------------------------------------------
     def _receive_slow(self, data: bytes) -> bytes:
@@ -285,6 +285,7 @@ class GrpcConnection(GrpcCore):
             and not self._waiting
             and not self._held
             and not self._draining
+            and not self._block
             and not h2.encoder.table_size_changes
             and h2.open_inbound_streams == 0
         )
@@ -354,27 +355,39 @@ class GrpcConnection(GrpcCore):
             h2.close_connection(ErrorCodes.INTERNAL_ERROR, b"internal error")
             self.closing = True
 
-    def _spend(self) -> bool:
-        """One control frame from the flood budget; False (and a GOAWAY) once it is spent."""
-        now = time.monotonic()
-        self._tokens = min(float(FLOOD_BURST), self._tokens + (now - self._tokens_at) * FLOOD_RATE) - 1.0
-        self._tokens_at = now
-        if self._tokens >= 0:
-            return True
-        log.debug("gRPC client sent too many control frames; closing the connection")
-        self._h2.close_connection(ErrorCodes.ENHANCE_YOUR_CALM, b"too many control frames")
+    def _calm(self, why: str) -> None:
+        """GOAWAY ENHANCE_YOUR_CALM and the close: the client asked for more than its budget."""
+        log.debug("gRPC client %s; closing the connection", why)
+        self._h2.close_connection(ErrorCodes.ENHANCE_YOUR_CALM, why.encode())
         self.closing = True
+        self._block = 0
         self._calls.clear()
         self._waiting.clear()
-        return False
+
+    def expire(self) -> bytes:
+        """The request deadline passed with a request begun (a header block, a frame) and not ended:
+        the GOAWAY to write before the close."""
+        if self.closing or not self._started:
+            return b""
+        self._calm("did not finish its request within --request-timeout")
+        return self._h2.data_to_send()
 
     def _frame(self, raw: bytes) -> None:
-        """One complete frame: bookkeeping for the fast path and the flood budget, then h2."""
+        """One complete frame: the frame budget, the header block's size, bookkeeping for the fast
+        path, then h2."""
         kind = raw[3]
         flags = raw[4]
         sid = int.from_bytes(raw[5:9], "big") & 0x7FFFFFFF
         h2 = self._h2
+        if not self._budget.spend(time.monotonic(), self.activity - self._requests + self._answered):
+            self._calm("sent too many frames")
+            return
         if kind in (HEADERS, CONTINUATION):
+            if kind == HEADERS or self._block:  # (a CONTINUATION out of place is h2's protocol error)
+                self._block = 0 if flags & END_HEADERS else self._block + len(raw) - 9 or 1
+                if self._block > MAX_HEADER_BLOCK:
+                    self._calm(f"sent a header block over {MAX_HEADER_BLOCK} bytes")
+                    return
             neutral = kind == HEADERS and flags & ~END_STREAM == END_HEADERS and table_neutral(raw[9:])
             if (
                 flags == END_HEADERS
@@ -389,19 +402,8 @@ class GrpcConnection(GrpcCore):
                 return
             if not neutral:
                 self._cache_clear()  # this block may change the table: what was recognised may not hold
-        elif kind == RST_STREAM:
-            if not self._spend():
-                return
-            if sid and sid <= h2.highest_inbound_stream_id and sid not in h2.streams:
-                return  # a stream already closed (the client's reset crossed our reply): ignored, RFC 9113 5.1
-        elif kind in (PING, SETTINGS):
-            if not flags & ACK and not self._spend():
-                return
-        elif kind == DATA:
-            if len(raw) == 9 and not flags & END_STREAM and not self._spend():
-                return
-        elif kind not in (WINDOW_UPDATE, GOAWAY) and not self._spend():  # PRIORITY, unknown types
-            return
+        elif kind == RST_STREAM and sid and sid <= h2.highest_inbound_stream_id and sid not in h2.streams:
+            return  # a stream already closed (the client's reset crossed our reply): ignored, RFC 9113 5.1
         for event in h2.receive_data(raw):
             self._event(event)
 
@@ -469,6 +471,7 @@ class GrpcConnection(GrpcCore):
     # -- calls -----------------------------------------------------------------------------------
     def _request(self, sid: int, headers: list[tuple[bytes, bytes]], ended: bool) -> None:
         self.activity += 1
+        self._requests += 1
         method = path = ctype = encoding = timeout = authorization = None
         for name, value in headers:
             if name == b"authorization":
@@ -654,6 +657,7 @@ class GrpcConnection(GrpcCore):
     def _end(self, call: _Call, trailers: list[tuple[bytes, bytes]]) -> None:
         h2 = self._h2
         h2.send_headers(call.sid, trailers, end_stream=True)
+        self._answered += 1
         self._calls.pop(call.sid, None)
         stream = h2.streams.get(call.sid)
         if stream is not None and not stream.closed:  # answered before the client finished sending: stop it
