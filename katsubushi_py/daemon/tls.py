@@ -45,6 +45,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from .memory import TRIMMER
+
 if TYPE_CHECKING:
     from .sockets import SocketServer
 
@@ -303,3 +305,4 @@ class TlsHandshake:
     def close(self) -> None:
         self._stop()
         self._sock.close()
+        TRIMMER.closed()
