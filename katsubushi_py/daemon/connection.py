@@ -313,7 +313,15 @@ class ConnectionHandler(ProtocolCore, asyncio.Protocol):
             self._daemon.connections.discard(self)
             self._daemon.stats.curr_connections -= 1
             self._daemon.connection_closed()
-        self._conn = _CLOSED
+        release = getattr(self._conn, "release", None)  # gRPC: h2's reference cycle, broken now
+        if release is not None:
+            release()
+        # Nothing of the protocol object stays reachable (its receive is bound here too), and this
+        # handler and its transport stop referring to each other: a cycle that only the collector frees,
+        # late, and the protocol object may hold much (a gRPC header block; issue 33).
+        self._use(_CLOSED)
+        self._write = _CLOSED.receive
+        self._transport = None
 
     def _say_goodbye(self) -> None:
         """A protocol with last words before a close (gRPC's GOAWAY) says them now."""

@@ -16,6 +16,7 @@ import asyncio
 import ctypes
 import ctypes.util
 import logging
+import time
 from typing import Any
 
 log = logging.getLogger("katsubushi_py")
@@ -45,6 +46,7 @@ class Trimmer:
         self._closed = 0
         self._handle: asyncio.TimerHandle | None = None
         self.trims = 0
+        self.last_ms = 0.0  # how long the last one took
 
     def closed(self) -> None:
         """A connection or a TLS handshake has closed."""
@@ -59,8 +61,13 @@ class Trimmer:
     def _run(self) -> None:
         self._handle = None
         self._closed = 0
+        started = time.perf_counter()
         self._trim(0)
         self.trims += 1
+        self.last_ms = (time.perf_counter() - started) * 1000
+
+    def stat_fields(self) -> list[tuple[str, object]]:
+        return [("memory_trims", self.trims), ("memory_trim_ms", f"{self.last_ms:.1f}")]
 
     def cancel(self) -> None:
         if self._handle is not None:

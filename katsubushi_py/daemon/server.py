@@ -199,6 +199,7 @@ class Daemon:
             self.stats,
         )
         self.issuer.stats_fields = _chain(self.issuer.stats_fields, self.admission.stat_fields)
+        self.issuer.stats_fields = _chain(self.issuer.stats_fields, TRIMMER.stat_fields)
         self.stopping = False
         self._all_closed: asyncio.Event | None = None
         self.addresses: list[str] = []

@@ -249,6 +249,15 @@ class GrpcConnection(GrpcCore):
         self.closing = True
         return self._finish(out)
 
+    def release(self) -> None:
+        """The connection is gone: let what h2 holds (a header block in progress: up to
+        ``MAX_HEADER_BLOCK``) go now. h2's connection is a reference cycle (its frame dispatch table
+        holds its own bound methods), which only a full collection would free, long after a flood of
+        connections has closed (issue 33)."""
+        self._h2._frame_dispatch_table = {}  # type: ignore[attr-defined]
+        self._calls.clear()
+        self._waiting.clear()
+
     def _sync_in(self, out: list[bytes]) -> None:
         """Hand the fast path's state to h2: the stream ids it served, the outbound window it used,
         and the inbound bytes it consumed (given back now, so h2's own account is exact)."""
