@@ -153,8 +153,9 @@ class ConnectionHandler(ProtocolCore, asyncio.Protocol):
             self._use(self._open_protocol())
         elif needs_login:
             # --auth-file: the login first; the real protocol (compiled where built) once it succeeds.
-            self._use(AuthGate(credentials, daemon.issuer.version, self._logged_in))  # type: ignore[arg-type]
-            daemon.loop.call_later(credentials.config.login_timeout, self._login_deadline)  # type: ignore[union-attr]
+            assert credentials is not None
+            self._use(AuthGate(credentials, daemon.issuer.version, self._logged_in))
+            daemon.loop.call_later(credentials.config.login_timeout, self._login_deadline)
             self._unauthenticated = True
             daemon.admission.unauthenticated += 1
         else:
