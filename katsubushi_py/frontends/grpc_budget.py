@@ -1,4 +1,5 @@
-"""What a gRPC connection's client may make the slow path do: the frame budget and the header block.
+"""What a gRPC connection's client may make the slow path do: the frame budget, the header block, and
+h2 as the server runs it (:class:`H2`: a stream over the limit is refused, not the connection).
 
 Why a budget for every frame: the slow path hands each frame to h2, which costs several microseconds
 of Python whatever the frame says; a frame that asks for nothing (a WINDOW_UPDATE, a PING, a
@@ -25,6 +26,14 @@ path's, compiled or not.
 
 from __future__ import annotations
 
+from typing import Any
+
+from h2.config import H2Configuration
+from h2.connection import H2Connection, _decode_headers
+from h2.errors import ErrorCodes
+from h2.stream import StreamClosedBy
+from hyperframe.frame import RstStreamFrame
+
 from .grpc_frames import FLOOD_BURST, FLOOD_RATE, REFUND_PER_CALL
 
 
@@ -46,3 +55,33 @@ class FrameBudget:
         self._at = now
         self._tokens = min(float(FLOOD_BURST), self._tokens + earned) - 1.0
         return self._tokens >= 0
+
+
+class H2(H2Connection):
+    """h2, with one change: a HEADERS frame that opens a stream beyond SETTINGS_MAX_CONCURRENT_STREAMS
+    is a stream error (RST_STREAM REFUSED_STREAM), as RFC 9113 section 5.1.2 says, where h2 makes it
+    a connection error. Its header block is still decoded, to keep HPACK's table in step."""
+
+    def _receive_headers_frame(self, frame: Any) -> Any:
+        sid = frame.stream_id
+        if (
+            sid not in self.streams
+            and sid & 1
+            and sid > self.highest_inbound_stream_id
+            and self.open_inbound_streams >= self.local_settings.max_concurrent_streams
+        ):
+            _decode_headers(self.decoder, frame.data)
+            self.highest_inbound_stream_id = sid
+            self._closed_streams[sid] = StreamClosedBy.SEND_RST_STREAM
+            refusal = RstStreamFrame(sid)
+            refusal.error_code = ErrorCodes.REFUSED_STREAM
+            return [refusal], []
+        return super()._receive_headers_frame(frame)
+
+
+H2_CONFIG = H2Configuration(
+    client_side=False,
+    header_encoding=None,
+    validate_outbound_headers=False,  # ours are fixed and valid
+    normalize_outbound_headers=False,
+)

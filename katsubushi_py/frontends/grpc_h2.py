@@ -46,8 +46,7 @@ import time
 from collections import deque
 from typing import Any
 
-from h2.config import H2Configuration
-from h2.connection import H2Connection, _decode_headers
+from h2.connection import _decode_headers
 from h2.errors import ErrorCodes
 from h2.events import (
     ConnectionTerminated,
@@ -60,12 +59,10 @@ from h2.events import (
 )
 from h2.exceptions import FrameTooLargeError, ProtocolError
 from h2.settings import SettingCodes, Settings
-from h2.stream import StreamClosedBy
-from hyperframe.frame import RstStreamFrame
 
 from ..issuing.errors import ClockWait
 from . import grpc_service as svc
-from .grpc_budget import FrameBudget
+from .grpc_budget import H2, H2_CONFIG, FrameBudget
 from .grpc_fast import GrpcCore
 from .grpc_frames import (
     CONTINUATION,
@@ -92,35 +89,6 @@ from .grpc_service import GrpcService, Reply
 
 log = logging.getLogger("katsubushi_py")
 
-
-class _H2(H2Connection):
-    """h2, with one change: a HEADERS frame that opens a stream beyond SETTINGS_MAX_CONCURRENT_STREAMS
-    is a stream error (RST_STREAM REFUSED_STREAM), as RFC 9113 section 5.1.2 says, where h2 makes it
-    a connection error. Its header block is still decoded, to keep HPACK's table in step."""
-
-    def _receive_headers_frame(self, frame: Any) -> Any:
-        sid = frame.stream_id
-        if (
-            sid not in self.streams
-            and sid & 1
-            and sid > self.highest_inbound_stream_id
-            and self.open_inbound_streams >= self.local_settings.max_concurrent_streams
-        ):
-            _decode_headers(self.decoder, frame.data)
-            self.highest_inbound_stream_id = sid
-            self._closed_streams[sid] = StreamClosedBy.SEND_RST_STREAM
-            refusal = RstStreamFrame(sid)
-            refusal.error_code = ErrorCodes.REFUSED_STREAM
-            return [refusal], []
-        return super()._receive_headers_frame(frame)
-
-
-_H2_CONFIG = H2Configuration(
-    client_side=False,
-    header_encoding=None,
-    validate_outbound_headers=False,  # ours are fixed and valid
-    normalize_outbound_headers=False,
-)
 
 _REPLY_HEADERS = ((b":status", b"200"), (b"content-type", b"application/grpc"))
 
@@ -181,7 +149,7 @@ class GrpcConnection(GrpcCore):
         self._core_init(service.issuer.generator, service.counters)
         self._service = service
         self._fast_ok = fast
-        h2 = self._h2 = _H2(config=_H2_CONFIG)
+        h2 = self._h2 = H2(config=H2_CONFIG)
         h2.local_settings = Settings(
             client=False,
             initial_values={
