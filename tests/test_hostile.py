@@ -342,7 +342,7 @@ def test_idle_tls_connections_are_counted_and_bounded(
 def test_never_authenticating_tls_connections_hold_only_their_share(
     daemons: DaemonFactory, certs: Certs, users: Path, tmp_path: Path
 ) -> None:
-    daemon = tls_daemon(daemons, certs, users, "--max-connections", "1024", "--login-timeout", "4s")
+    daemon = tls_daemon(daemons, certs, users, "--max-connections", "1024", "--login-timeout", "8s")
     ctx = ssl.create_default_context(cafile=certs.ca.cert)
     # Authenticated clients first: 100 logged in, and the one that measures.
     logged_in = []
@@ -374,7 +374,7 @@ def test_never_authenticating_tls_connections_hold_only_their_share(
     for sock in logged_in:
         sock.sendall(b"get id\r\n")
         assert read_until(sock, b"END\r\n").startswith(b"VALUE id ")
-    _, still_open = drain(held, 4 + 6)  # the login timeout
+    _, still_open = drain(held, 8 + 6)  # the login timeout
     for sock in logged_in:
         sock.close()
     watch.stop()
