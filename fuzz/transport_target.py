@@ -24,6 +24,7 @@ from targets import Bytes, chunkings  # type: ignore[import-not-found]
 from twins import PureIssuer, StepClock, mask_ids, pure_twin  # type: ignore[import-not-found]
 
 from katsubushi_py.daemon import connection, sockets
+from katsubushi_py.daemon.admission import Admission
 from katsubushi_py.daemon.stats import Stats
 from katsubushi_py.frontends.binary import BinaryConnection
 from katsubushi_py.frontends.text import TextConnection
@@ -66,6 +67,8 @@ class _Daemon:
         self.connections: set[Any] = set()
         self.stopping = False
         self.credentials = None  # no --auth-file: connections speak memcached from the first byte
+        mc = self.config.max_connections
+        self.admission = Admission(mc, mc // 2, self.connections, lambda: (), self.stats)
 
     def connection_closed(self) -> None:
         pass

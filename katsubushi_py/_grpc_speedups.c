@@ -28,6 +28,9 @@
 #define MAX_FRAME 16384
 #define MAX_STREAMS 100
 #define CACHE_SIZE 16
+/* WINDOW_UPDATEs taken since the last call answered before the rest go to the slow path, whose frame
+ * budget counts them (grpc_frames.IDLE_WINDOW_UPDATES; issue 33). */
+#define IDLE_WINDOW_UPDATES 1000
 #define RETURN_AT (65535 / 2)
 #define MAX_IDS 1000
 #define WINDOW_MAX 0x7FFFFFFFLL
@@ -73,6 +76,7 @@ typedef struct {
     Pending pending[MAX_STREAMS];
     int npending;
     long long last_stream, out_window, peer_window, in_window, debt, activity, handed;
+    long long idle; /* WINDOW_UPDATEs taken since the last call answered */
     Py_ssize_t commands_at, ids_at; /* offsets of the counters' C integers (_speedups.Counters); -1: use attributes */
     double wait;
     char fast, closing;
@@ -303,6 +307,7 @@ GrpcCore_core_init(GrpcCore *self, PyObject *const *args, Py_ssize_t nargs)
     self->out_window = self->peer_window = self->in_window = 65535;
     self->debt = 0;
     self->handed = 0;
+    self->idle = 0;
     self->activity = 0;
     self->closing = 0;
     self->wait = 0.0;
@@ -685,13 +690,15 @@ fast_pass(GrpcCore *self, PyObject *data, int *slow)
             if (emit_reply(&o, sid, ids_buffer, mlen) < 0)
                 goto error;
             calls++;
+            self->idle = 0;
             issued += count;
         } else if (kind == T_WINDOW_UPDATE && length == 4) {
             long long increment = (long long)(get_be(payload, 4) & 0x7fffffffULL);
-            if (!increment) {
+            if (!increment || self->idle >= IDLE_WINDOW_UPDATES) {
                 give_up = 1;
                 break;
             }
+            self->idle++;
             if (sid == 0) {
                 if (self->out_window + increment > WINDOW_MAX) {
                     give_up = 1;

@@ -128,7 +128,16 @@ def build_parser(
         parser,
         "max-connections",
         metavar="N",
-        help=f"refuse connections beyond this many (default {DEFAULT_MAX_CONNECTIONS})",
+        help=f"refuse connections beyond this many, TLS handshakes in progress included (default"
+        f" {DEFAULT_MAX_CONNECTIONS})",
+    )
+    _flag(
+        parser,
+        "max-unauthenticated",
+        metavar="N",
+        help="of --max-connections, at most this many TLS handshakes in progress and connections not yet"
+        " logged in (--auth-file), so that they cannot push out clients that have (default: half of"
+        " --max-connections)",
     )
     _flag(
         parser,

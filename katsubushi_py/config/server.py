@@ -39,6 +39,7 @@ class ServerConfig:
     sock_mode: int | None = None
     idle_timeout: float = DEFAULT_IDLE_TIMEOUT  # 0 = never
     max_connections: int = DEFAULT_MAX_CONNECTIONS
+    max_unauthenticated: int = 0  # TLS handshakes and connections not logged in; 0: half of max_connections
     read_ahead: int = DEFAULT_READ_AHEAD  # bytes held unanswered while a client does not read its replies
     log_level: str = "INFO"
     log_format: str = "text"
@@ -102,6 +103,9 @@ def parse_server_config(
     if level_name not in LOG_LEVELS:
         raise ConfigError(f"invalid log level {level_name!r}: use debug, info, warn, error")
     max_conn = bounded_int(given.get("max_connections", DEFAULT_MAX_CONNECTIONS), "max connections", 1)
+    max_unauth = bounded_int(given.get("max_unauthenticated", max(1, max_conn // 2)), "--max-unauthenticated", 1)
+    if max_unauth > max_conn:
+        raise ConfigError(f"--max-unauthenticated {max_unauth} is more than --max-connections {max_conn}")
     read_ahead = parse_size(str(given.get("read_ahead", DEFAULT_READ_AHEAD)), "read ahead")
     # As in go-katsubushi, port 0 (the default) means "no such listener".
     http_port = bounded_int(given.get("http_port", 0), "http port", 0, 65535) or None
@@ -124,6 +128,7 @@ def parse_server_config(
         sock_mode=sock_mode,
         idle_timeout=idle,
         max_connections=max_conn,
+        max_unauthenticated=max_unauth,
         read_ahead=read_ahead,
         log_level=LOG_LEVELS[level_name],
         log_format=str(given.get("log_format", "text")),

@@ -111,6 +111,7 @@ class ConnectionHandler(ProtocolCore, asyncio.Protocol):
         "_open_protocol",
         "_refusal",
         "_transport",
+        "_unauthenticated",
         "_wait_handle",
         "_write_paused",
     )
@@ -131,6 +132,7 @@ class ConnectionHandler(ProtocolCore, asyncio.Protocol):
         self._write_paused = False
         self._eof = False
         self._last_activity = 0
+        self._unauthenticated = False  # counted in daemon.admission.unauthenticated
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         # uvloop's transports do not subclass asyncio.Transport, so no isinstance check here.
@@ -138,18 +140,24 @@ class ConnectionHandler(ProtocolCore, asyncio.Protocol):
         daemon = self._daemon
         stats = daemon.stats
         self._transport = tcp
-        if len(daemon.connections) >= daemon.config.max_connections or daemon.stopping:
-            stats.rejected_connections += 1
+        credentials = daemon.credentials
+        needs_login = self._open_protocol is None and credentials is not None and credentials.users_enabled
+        if daemon.stopping or not daemon.admission.admit(needs_login):
+            if daemon.stopping:
+                stats.rejected_connections += 1
             self._receive = _CLOSED.receive
             tcp.write(self._refusal)
             tcp.close()
             return
         if self._open_protocol is not None:
             self._use(self._open_protocol())
-        elif daemon.credentials is not None and daemon.credentials.users_enabled:
+        elif needs_login:
             # --auth-file: the login first; the real protocol (compiled where built) once it succeeds.
-            self._use(AuthGate(daemon.credentials, daemon.issuer.version, self._logged_in))
-            daemon.loop.call_later(daemon.credentials.config.login_timeout, self._login_deadline)
+            assert credentials is not None
+            self._use(AuthGate(credentials, daemon.issuer.version, self._logged_in))
+            daemon.loop.call_later(credentials.config.login_timeout, self._login_deadline)
+            self._unauthenticated = True
+            daemon.admission.unauthenticated += 1
         else:
             # Text until the first byte says otherwise (the idle timer may read its activity before that).
             self._conn = TextConnection(daemon.issuer, gets_cas=daemon.config.gets_cas)
@@ -172,6 +180,9 @@ class ConnectionHandler(ProtocolCore, asyncio.Protocol):
         """The client has authenticated: from now on its reads go to the real protocol, exactly as on
         a connection without authentication; the reply to what followed the login in the same read."""
         daemon = self._daemon
+        if self._unauthenticated:
+            self._unauthenticated = False
+            daemon.admission.unauthenticated -= 1
         if protocol == "binary":
             conn: TextConnection | BinaryConnection = BinaryConnection(daemon.issuer)
         else:
@@ -296,11 +307,22 @@ class ConnectionHandler(ProtocolCore, asyncio.Protocol):
         if self._wait_handle is not None:
             self._wait_handle.cancel()
             self._wait_handle = None
+        if self._unauthenticated:
+            self._unauthenticated = False
+            self._daemon.admission.unauthenticated -= 1
         if self in self._daemon.connections:
             self._daemon.connections.discard(self)
             self._daemon.stats.curr_connections -= 1
             self._daemon.connection_closed()
-        self._conn = _CLOSED
+        release = getattr(self._conn, "release", None)  # gRPC: h2's reference cycle, broken now
+        if release is not None:
+            release()
+        # Nothing of the protocol object stays reachable (its receive is bound here too), and this
+        # handler and its transport stop referring to each other: a cycle that only the collector frees,
+        # late, and the protocol object may hold much (a gRPC header block; issue 33).
+        self._use(_CLOSED)
+        self._write = _CLOSED.receive
+        self._transport = None
 
     def _say_goodbye(self) -> None:
         """A protocol with last words before a close (gRPC's GOAWAY) says them now."""

@@ -34,10 +34,16 @@ HTTP_TIMEOUT = b"HTTP/1.1 408 Request Timeout\r\ncontent-length: 0\r\nconnection
 def holds_partial_request(conn: Any) -> bool:
     """The protocol object holds the start of a request whose end has not arrived: an unfinished
     memcached line or binary packet (``_buffer``), a get line or data block in progress (``_state``,
-    text and binary), an HTTP head in progress (``_in_head``), an unfinished HTTP/2 frame."""
+    text and binary), an HTTP head in progress (``_in_head``), an unfinished HTTP/2 frame or header
+    block (``_block``: HEADERS and CONTINUATIONs without END_HEADERS, which h2 holds whole)."""
     if conn.wait or getattr(conn, "backlog", False) or conn.closing:
         return False
-    return bool(getattr(conn, "_in_head", False) or getattr(conn, "_state", 0) or getattr(conn, "_buffer", b""))
+    return bool(
+        getattr(conn, "_in_head", False)
+        or getattr(conn, "_state", 0)
+        or getattr(conn, "_buffer", b"")
+        or getattr(conn, "_block", 0)
+    )
 
 
 class RequestDeadlines:
@@ -89,4 +95,9 @@ class RequestDeadlines:
         log.debug("closing a connection whose request did not arrive within %g s", self.timeout)
         if getattr(conn, "_in_head", False):
             transport.write(HTTP_TIMEOUT)
+        expire = getattr(conn, "expire", None)  # gRPC: its GOAWAY
+        if expire is not None:
+            farewell = expire()
+            if farewell:
+                transport.write(farewell)
         transport.close()

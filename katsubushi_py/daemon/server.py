@@ -32,8 +32,10 @@ from ..issuing.issuer import Issuer
 from ..issuing.statefile import StateFile
 from ..leasing import LeaseError, LeaseKeeper, LeaseRefused
 from .activation import ActivationError, describe, inherited_sockets
+from .admission import Admission
 from .connection import ConnectionHandler
 from .deadlines import RequestDeadlines
+from .memory import TRIMMER
 from .sockets import DIRECT, SocketServer, bind_tcp, bind_unix
 from .stats import Stats, settings_fields
 from .tls import TlsConfig, TlsError, TlsServer
@@ -201,6 +203,15 @@ class Daemon:
         self.issuer.settings_fields = lambda: settings_fields(config, generator.state_path)
         self.connections: set[ConnectionHandler] = set()
         self.servers: list[asyncio.AbstractServer | SocketServer] = []
+        self.admission = Admission(
+            config.max_connections,
+            config.max_unauthenticated or max(1, config.max_connections // 2),
+            self.connections,
+            lambda: self.servers,
+            self.stats,
+        )
+        self.issuer.stats_fields = _chain(self.issuer.stats_fields, self.admission.stat_fields)
+        self.issuer.stats_fields = _chain(self.issuer.stats_fields, TRIMMER.stat_fields)
         self.stopping = False
         self._all_closed: asyncio.Event | None = None
         self.addresses: list[str] = []
@@ -261,6 +272,7 @@ class Daemon:
         return reason
 
     def connection_closed(self) -> None:
+        TRIMMER.closed()
         if self._all_closed is not None and not self.connections:
             self._all_closed.set()
 
@@ -278,7 +290,7 @@ class Daemon:
         host = self.config.host if host is None else host
         tls: dict[str, Any] = {}
         if kind is not None and self.tls is not None:
-            tls, direct, scheme = self.tls.server_options(kind), True, tls_scheme(scheme)
+            tls, direct, scheme = self._tls_options(kind), True, tls_scheme(scheme)
         backlog = min(4096, max(128, self.config.max_connections))
         server: asyncio.AbstractServer | SocketServer
         try:
@@ -300,6 +312,12 @@ class Daemon:
             raise StartupError(f"cannot listen on {scheme}{host}:{port}: {reason}") from None
         self.servers.append(server)
         self._note_addresses(server, scheme)
+
+    def _tls_options(self, kind: str) -> dict[str, Any]:
+        """A TLS listener's arguments: its context and handshake deadline, and the admission of its
+        handshakes (counted toward --max-connections and --max-unauthenticated)."""
+        assert self.tls is not None
+        return {**self.tls.server_options(kind), "admit": self.admission.admit_handshake}
 
     def _note_addresses(self, server: asyncio.AbstractServer | SocketServer, scheme: str) -> None:
         for sock in server.sockets:
@@ -430,7 +448,7 @@ class Daemon:
             server: asyncio.AbstractServer | SocketServer
             label = scheme
             if kind is not None and self.tls is not None and sock.family != socket.AF_UNIX:
-                server = SocketServer(self.loop, sock, factory, backlog, **self.tls.server_options(kind))
+                server = SocketServer(self.loop, sock, factory, backlog, **self._tls_options(kind))
                 label = tls_scheme(scheme)
             elif direct:
                 server = SocketServer(self.loop, sock, factory, backlog)

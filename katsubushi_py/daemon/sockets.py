@@ -37,9 +37,11 @@ import os
 import socket
 import ssl
 from collections import deque
+from collections.abc import Callable
 from typing import Any
 
 from ..compiled import speedups
+from .memory import TRIMMER
 from .tls import TlsHandshake
 
 log = logging.getLogger("katsubushi_py")
@@ -509,8 +511,10 @@ class SocketServer:
         transport: type = SocketTransport,
         tls_context: ssl.SSLContext | None = None,
         handshake_timeout: float | None = None,
+        admit: Callable[[], bool] | None = None,
     ) -> None:
         self._loop = loop
+        self._admit = admit  # may a TLS handshake begin? (else the socket is closed at once)
         self._transport = transport
         self._tls_context = tls_context
         self._handshake_timeout = handshake_timeout
@@ -547,6 +551,10 @@ class SocketServer:
                 if self._tcp:
                     conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
                 if self._tls_context is not None:
+                    if self._admit is not None and not self._admit():
+                        conn.close()
+                        TRIMMER.closed()
+                        continue
                     tls = self._tls_context.wrap_socket(conn, server_side=True, do_handshake_on_connect=False)
                     TlsHandshake(self, tls, self._handshake_timeout)
                     continue

@@ -23,8 +23,10 @@ machine of the loop's in between (``bench/RESULTS.md``, "TLS in the socket trans
   server-name callback, called early in every handshake, hands each new connection the current one
   (:meth:`TlsServer._switcher`): new connections get the new certificate, key and CAs, open ones
   keep the session they have; a bad file leaves the old contexts in place;
-- a handshake that stalls, or garbage instead of one, costs one file descriptor until the deadline
-  or OpenSSL's error, never a connection slot (those are taken after the handshake) or a traceback;
+- a handshake that stalls, or garbage instead of one, costs one file descriptor and ~48 KB until the
+  deadline or OpenSSL's error, never a traceback; handshakes in progress count toward
+  --max-connections and --max-unauthenticated (:mod:`.admission`: one beyond them is closed at
+  accept), so no number of idle connections to a TLS port can take more than those;
 - a record that stops half-way (the fd readable, OpenSSL still without a whole record) starts the
   request deadline (:mod:`.deadlines`), so a record trickled in a byte at a time is closed within
   --request-timeout, not the idle timeout; plain connections keep exactly the path they had.
@@ -44,6 +46,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
+
+from .memory import TRIMMER
 
 if TYPE_CHECKING:
     from .sockets import SocketServer
@@ -235,7 +239,8 @@ class TlsHandshake:
     """A TLS connection's server handshake, driven by the loop's reader and writer callbacks (the
     socket is an ``SSLSocket`` made with ``do_handshake_on_connect=False``, non-blocking); once done,
     the connection is served by the server's transport like a plain one. No protocol object exists
-    before that, so a handshake never takes a connection slot; it ends within ``timeout`` (the
+    before that; the handshake counts toward the connection limits while it lasts (the server's
+    ``_handshakes``, which :class:`~.admission.Admission` reads), and ends within ``timeout`` (the
     --request-timeout) or at OpenSSL's first error, closed quietly (a debug line)."""
 
     __slots__ = ("_fd", "_loop", "_server", "_sock", "_timer", "_waiting")
@@ -303,3 +308,4 @@ class TlsHandshake:
     def close(self) -> None:
         self._stop()
         self._sock.close()
+        TRIMMER.closed()

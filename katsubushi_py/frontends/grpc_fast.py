@@ -21,6 +21,10 @@ is decoded (:meth:`PyGrpcCore._cache_clear`).
 The inbound window: the fast path counts the DATA bytes it consumed (``_debt``) and gives them back
 with a WINDOW_UPDATE once they reach half of h2's window, as h2 would; the slow path gives back what
 is left before h2 runs, so h2's own account is exact whenever it is used.
+
+WINDOW_UPDATEs without calls: after ``IDLE_WINDOW_UPDATES`` of them since the last call answered, the
+fast path hands the rest to the slow path, whose frame budget counts every frame (issue 33: a client
+could otherwise send window updates for ever, at the fast path's cost, without a request).
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ from .grpc_frames import (
     END_HEADERS,
     END_STREAM,
     HEADERS,
+    IDLE_WINDOW_UPDATES,
     MAX_FRAME,
     MAX_STREAMS,
     RETURN_AT,
@@ -59,6 +64,7 @@ class PyGrpcCore:
         "_debt",
         "_fast",
         "_handed",
+        "_idle",
         "_in_window",
         "_last_stream",
         "_next_id",
@@ -79,6 +85,7 @@ class PyGrpcCore:
     _in_window: int
     _debt: int
     _handed: int
+    _idle: int
     activity: int
     closing: bool
     wait: float
@@ -96,6 +103,7 @@ class PyGrpcCore:
         self._last_stream = 0
         self._out_window = self._peer_window = self._in_window = 65535
         self._debt = 0
+        self._idle = 0  # WINDOW_UPDATEs taken since the last call answered (see IDLE_WINDOW_UPDATES)
         self._next_id = generator.next_id
         self._next_ids = generator.next_ids
         self._counters = counters
@@ -244,11 +252,13 @@ class PyGrpcCore:
                 out.append(reply_frames(sid, message))
                 calls += 1
                 issued += count
+                self._idle = 0
             elif kind == WINDOW_UPDATE and length == 4:
                 increment = int.from_bytes(buf[pos + 9 : end], "big") & 0x7FFFFFFF
-                if not increment:
+                if not increment or self._idle >= IDLE_WINDOW_UPDATES:
                     give_up = True
                     break
+                self._idle += 1
                 if sid == 0:
                     if self._out_window + increment > 0x7FFFFFFF:
                         give_up = True

@@ -17,8 +17,11 @@ MAX_FRAME = 16384  # SETTINGS_MAX_FRAME_SIZE: the protocol's default, never rais
 MAX_STREAMS = 100  # SETTINGS_MAX_CONCURRENT_STREAMS
 MAX_HEADER_LIST = 16 * 1024  # SETTINGS_MAX_HEADER_LIST_SIZE (the HTTP front end's MAX_HEAD)
 MAX_MESSAGE = 4096  # a request message (reflection's are the largest, a symbol name)
-FLOOD_BURST = 1000
-FLOOD_RATE = 100.0  # control frames a second, sustained
+MAX_HEADER_BLOCK = 2 * MAX_HEADER_LIST  # a HEADERS frame and its CONTINUATIONs, encoded (see grpc_budget)
+FLOOD_BURST = 1000  # frames the slow path takes at once (see grpc_budget)
+FLOOD_RATE = 100.0  # frames a second, sustained
+REFUND_PER_CALL = 8  # frames a call answered earns back (a call takes 2 to 5)
+IDLE_WINDOW_UPDATES = FLOOD_BURST  # the fast path's WINDOW_UPDATEs with no call answered, then the slow path's
 CACHE_SIZE = 16  # recognised header blocks per connection
 RETURN_AT = 65535 // 2  # inbound bytes given back with a WINDOW_UPDATE (h2's rule: half its window)
 

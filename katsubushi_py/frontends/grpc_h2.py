@@ -31,11 +31,12 @@ say): one incomplete frame (``MAX_FRAME`` + 9 bytes); ``MAX_STREAMS`` open calls
 with RST_STREAM REFUSED_STREAM), each holding at most one request message of ``MAX_MESSAGE`` bytes
 (a larger one is ``RESOURCE_EXHAUSTED``) and at most one reply that the client's flow-control window
 does not take yet (at most about 10 KB: 1,000 IDs); a header list of ``MAX_HEADER_LIST`` bytes (a larger
-one closes the connection with GOAWAY: HPACK cannot skip a block); while a call waits for the clock,
-one read of input. PING, SETTINGS, RST_STREAM, PRIORITY, empty DATA and unknown frames draw on a
-budget of ``FLOOD_BURST`` refilled at ``FLOOD_RATE`` a second; a client that spends it is sent
-GOAWAY ENHANCE_YOUR_CALM (the HTTP/2 flood attacks of 2019 and 2023). Replies the client does not
-read stop the reading of its requests (the connection glue's flow control).
+one closes the connection with GOAWAY: HPACK cannot skip a block), and a header block (HEADERS and
+CONTINUATIONs) of ``MAX_HEADER_BLOCK`` bytes that must end within the request deadline; while a call
+waits for the clock, one read of input. Every frame the slow path takes draws on a budget of
+``FLOOD_BURST`` refilled at ``FLOOD_RATE`` a second and by each call answered; a client that spends it
+is sent GOAWAY ENHANCE_YOUR_CALM (the HTTP/2 flood attacks of 2019 and 2023; :mod:`.grpc_budget`).
+Replies the client does not read stop the reading of its requests (the connection glue's flow control).
 """
 
 from __future__ import annotations
@@ -45,8 +46,7 @@ import time
 from collections import deque
 from typing import Any
 
-from h2.config import H2Configuration
-from h2.connection import H2Connection, _decode_headers
+from h2.connection import _decode_headers
 from h2.errors import ErrorCodes
 from h2.events import (
     ConnectionTerminated,
@@ -59,32 +59,25 @@ from h2.events import (
 )
 from h2.exceptions import FrameTooLargeError, ProtocolError
 from h2.settings import SettingCodes, Settings
-from h2.stream import StreamClosedBy
-from hyperframe.frame import RstStreamFrame
 
 from ..issuing.errors import ClockWait
 from . import grpc_service as svc
+from .grpc_budget import H2, H2_CONFIG, FrameBudget
 from .grpc_fast import GrpcCore
 from .grpc_frames import (
-    ACK,
     CONTINUATION,
-    DATA,
     END_HEADERS,
     END_STREAM,
-    FLOOD_BURST,
-    FLOOD_RATE,
-    GOAWAY,
     HEADERS,
     HTTP1_METHODS,
     HTTP1_REPLY,
     MAX_FRAME,
+    MAX_HEADER_BLOCK,
     MAX_HEADER_LIST,
     MAX_MESSAGE,
     MAX_STREAMS,
-    PING,
     PREFACE,
     RST_STREAM,
-    SETTINGS,
     WINDOW_UPDATE,
     frame,
     literal_block,
@@ -96,35 +89,6 @@ from .grpc_service import GrpcService, Reply
 
 log = logging.getLogger("katsubushi_py")
 
-
-class _H2(H2Connection):
-    """h2, with one change: a HEADERS frame that opens a stream beyond SETTINGS_MAX_CONCURRENT_STREAMS
-    is a stream error (RST_STREAM REFUSED_STREAM), as RFC 9113 section 5.1.2 says, where h2 makes it
-    a connection error. Its header block is still decoded, to keep HPACK's table in step."""
-
-    def _receive_headers_frame(self, frame: Any) -> Any:
-        sid = frame.stream_id
-        if (
-            sid not in self.streams
-            and sid & 1
-            and sid > self.highest_inbound_stream_id
-            and self.open_inbound_streams >= self.local_settings.max_concurrent_streams
-        ):
-            _decode_headers(self.decoder, frame.data)
-            self.highest_inbound_stream_id = sid
-            self._closed_streams[sid] = StreamClosedBy.SEND_RST_STREAM
-            refusal = RstStreamFrame(sid)
-            refusal.error_code = ErrorCodes.REFUSED_STREAM
-            return [refusal], []
-        return super()._receive_headers_frame(frame)
-
-
-_H2_CONFIG = H2Configuration(
-    client_side=False,
-    header_encoding=None,
-    validate_outbound_headers=False,  # ours are fixed and valid
-    normalize_outbound_headers=False,
-)
 
 _REPLY_HEADERS = ((b":status", b"200"), (b"content-type", b"application/grpc"))
 
@@ -163,15 +127,17 @@ class GrpcConnection(GrpcCore):
     backlog = False
 
     __slots__ = (
+        "_answered",
+        "_block",
+        "_budget",
         "_calls",
         "_draining",
         "_fast_ok",
         "_h2",
         "_held",
+        "_requests",
         "_service",
         "_started",
-        "_tokens",
-        "_tokens_at",
         "_waiting",
     )
 
@@ -183,7 +149,7 @@ class GrpcConnection(GrpcCore):
         self._core_init(service.issuer.generator, service.counters)
         self._service = service
         self._fast_ok = fast
-        h2 = self._h2 = _H2(config=_H2_CONFIG)
+        h2 = self._h2 = H2(config=H2_CONFIG)
         h2.local_settings = Settings(
             client=False,
             initial_values={
@@ -197,8 +163,10 @@ class GrpcConnection(GrpcCore):
         self._held = b""  # input that arrived while a call waits for the clock
         self._started = False
         self._draining = False  # a GOAWAY was sent or received: no new calls
-        self._tokens = float(FLOOD_BURST)
-        self._tokens_at = time.monotonic()
+        self._budget = FrameBudget(time.monotonic())
+        self._requests = 0  # calls the slow path opened (activity less these: the fast path's calls)
+        self._answered = 0  # calls the slow path answered
+        self._block = 0  # bytes of a header block begun and not ended (the request deadline watches it)
 
     # -- the slow path ---------------------------------------------------------------------------
     def _receive_slow(self, data: bytes) -> bytes:
@@ -249,6 +217,15 @@ class GrpcConnection(GrpcCore):
         self.closing = True
         return self._finish(out)
 
+    def release(self) -> None:
+        """The connection is gone: let what h2 holds (a header block in progress: up to
+        ``MAX_HEADER_BLOCK``) go now. h2's connection is a reference cycle (its frame dispatch table
+        holds its own bound methods), which only a full collection would free, long after a flood of
+        connections has closed (issue 33)."""
+        self._h2._frame_dispatch_table = {}  # type: ignore[attr-defined]
+        self._calls.clear()
+        self._waiting.clear()
+
     def _sync_in(self, out: list[bytes]) -> None:
         """Hand the fast path's state to h2: the stream ids it served, the outbound window it used,
         and the inbound bytes it consumed (given back now, so h2's own account is exact)."""
@@ -285,6 +262,7 @@ class GrpcConnection(GrpcCore):
             and not self._waiting
             and not self._held
             and not self._draining
+            and not self._block
             and not h2.encoder.table_size_changes
             and h2.open_inbound_streams == 0
         )
@@ -354,27 +332,39 @@ class GrpcConnection(GrpcCore):
             h2.close_connection(ErrorCodes.INTERNAL_ERROR, b"internal error")
             self.closing = True
 
-    def _spend(self) -> bool:
-        """One control frame from the flood budget; False (and a GOAWAY) once it is spent."""
-        now = time.monotonic()
-        self._tokens = min(float(FLOOD_BURST), self._tokens + (now - self._tokens_at) * FLOOD_RATE) - 1.0
-        self._tokens_at = now
-        if self._tokens >= 0:
-            return True
-        log.debug("gRPC client sent too many control frames; closing the connection")
-        self._h2.close_connection(ErrorCodes.ENHANCE_YOUR_CALM, b"too many control frames")
+    def _calm(self, why: str) -> None:
+        """GOAWAY ENHANCE_YOUR_CALM and the close: the client asked for more than its budget."""
+        log.debug("gRPC client %s; closing the connection", why)
+        self._h2.close_connection(ErrorCodes.ENHANCE_YOUR_CALM, why.encode())
         self.closing = True
+        self._block = 0
         self._calls.clear()
         self._waiting.clear()
-        return False
+
+    def expire(self) -> bytes:
+        """The request deadline passed with a request begun (a header block, a frame) and not ended:
+        the GOAWAY to write before the close."""
+        if self.closing or not self._started:
+            return b""
+        self._calm("did not finish its request within --request-timeout")
+        return self._h2.data_to_send()
 
     def _frame(self, raw: bytes) -> None:
-        """One complete frame: bookkeeping for the fast path and the flood budget, then h2."""
+        """One complete frame: the frame budget, the header block's size, bookkeeping for the fast
+        path, then h2."""
         kind = raw[3]
         flags = raw[4]
         sid = int.from_bytes(raw[5:9], "big") & 0x7FFFFFFF
         h2 = self._h2
+        if not self._budget.spend(time.monotonic(), self.activity - self._requests + self._answered):
+            self._calm("sent too many frames")
+            return
         if kind in (HEADERS, CONTINUATION):
+            if kind == HEADERS or self._block:  # (a CONTINUATION out of place is h2's protocol error)
+                self._block = 0 if flags & END_HEADERS else self._block + len(raw) - 9 or 1
+                if self._block > MAX_HEADER_BLOCK:
+                    self._calm(f"sent a header block over {MAX_HEADER_BLOCK} bytes")
+                    return
             neutral = kind == HEADERS and flags & ~END_STREAM == END_HEADERS and table_neutral(raw[9:])
             if (
                 flags == END_HEADERS
@@ -389,19 +379,8 @@ class GrpcConnection(GrpcCore):
                 return
             if not neutral:
                 self._cache_clear()  # this block may change the table: what was recognised may not hold
-        elif kind == RST_STREAM:
-            if not self._spend():
-                return
-            if sid and sid <= h2.highest_inbound_stream_id and sid not in h2.streams:
-                return  # a stream already closed (the client's reset crossed our reply): ignored, RFC 9113 5.1
-        elif kind in (PING, SETTINGS):
-            if not flags & ACK and not self._spend():
-                return
-        elif kind == DATA:
-            if len(raw) == 9 and not flags & END_STREAM and not self._spend():
-                return
-        elif kind not in (WINDOW_UPDATE, GOAWAY) and not self._spend():  # PRIORITY, unknown types
-            return
+        elif kind == RST_STREAM and sid and sid <= h2.highest_inbound_stream_id and sid not in h2.streams:
+            return  # a stream already closed (the client's reset crossed our reply): ignored, RFC 9113 5.1
         for event in h2.receive_data(raw):
             self._event(event)
 
@@ -469,6 +448,7 @@ class GrpcConnection(GrpcCore):
     # -- calls -----------------------------------------------------------------------------------
     def _request(self, sid: int, headers: list[tuple[bytes, bytes]], ended: bool) -> None:
         self.activity += 1
+        self._requests += 1
         method = path = ctype = encoding = timeout = authorization = None
         for name, value in headers:
             if name == b"authorization":
@@ -654,6 +634,7 @@ class GrpcConnection(GrpcCore):
     def _end(self, call: _Call, trailers: list[tuple[bytes, bytes]]) -> None:
         h2 = self._h2
         h2.send_headers(call.sid, trailers, end_stream=True)
+        self._answered += 1
         self._calls.pop(call.sid, None)
         stream = h2.streams.get(call.sid)
         if stream is not None and not stream.closed:  # answered before the client finished sending: stop it
