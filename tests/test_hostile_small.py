@@ -4,12 +4,18 @@ instant, a non-ASCII SNI, descriptor exhaustion and the state file, and one larg
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import json
+import os
+import stat
+import subprocess
+import threading
+import time
 from pathlib import Path
 
 import pytest
-from conftest import DaemonFactory, decode, free_port, wait_for_port
+from conftest import DaemonFactory, decode, free_port, recv_until, wait_for_port
 from test_auth import TOKEN
 from test_auth import secrets_dir as secrets_dir  # the fixture: credential files
 from test_http import fetch, start_http
@@ -80,3 +86,82 @@ def test_duplicate_authorization_metadata_is_refused_on_both_paths(
                 assert "authorization metadata values" in refused.value.details()
         assert decode(generator.Fetch(pb.FetchRequest(), timeout=5, metadata=[good]).id)[1] == 7
     assert "Traceback" not in d.stderr()
+
+
+# -- the unix socket's mode --------------------------------------------------------------------------
+NOBODY = 65534
+#: A python nobody can run (the venv's may live under /root): the prober needs only the socket module.
+SYSTEM_PYTHON = next((p for p in ("/usr/bin/python3", "/usr/local/bin/python3") if os.access(p, os.X_OK)), None)
+#: Run as nobody: connect to the socket as fast as it can until told to stop; each connection that gets
+#: through asks for an ID. Prints the replies it got (none, if the mode held).
+PROBER = r"""
+import os, socket, sys
+path, stop = sys.argv[1], sys.argv[2]
+got = []
+while not os.path.exists(stop):
+    s = socket.socket(socket.AF_UNIX)
+    try:
+        s.connect(path)
+    except OSError:
+        s.close()
+        continue
+    s.settimeout(2)
+    try:
+        s.sendall(b"get id\r\n")
+        got.append(s.recv(100))
+    except OSError as exc:
+        got.append(repr(exc).encode())
+    s.close()
+print(len(got), got[:3])
+"""
+
+
+def _watch_modes(path: Path, modes: set[int], stop: threading.Event) -> None:
+    """Every mode the socket file has while the daemon starts (polled as fast as Python can)."""
+    while not stop.is_set():
+        with contextlib.suppress(FileNotFoundError):
+            modes.add(stat.S_IMODE(os.lstat(path).st_mode))
+
+
+@pytest.mark.once
+@pytest.mark.skipif(os.geteuid() != 0 or SYSTEM_PYTHON is None, reason="needs root and a python nobody can run")
+@pytest.mark.parametrize(("pure", "workers"), [(False, 1), (True, 1), (False, 2)], ids=["compiled", "pure", "workers"])
+def test_unix_socket_never_reachable_with_a_wider_mode(
+    daemons: DaemonFactory, short_tmp: Path, pure: bool, workers: int
+) -> None:
+    """umask 000 and --sock-mode 0600: from the socket file's first instant its mode is 0600, and a
+    client running as another user (nobody), connecting in a loop while the daemon starts, never gets
+    through (before, the socket listened with mode 0777 until the chmod: 8 of 8 starts leaked an ID)."""
+    short_tmp.chmod(0o755)
+    path = short_tmp / "k.sock"
+    stop_file = short_tmp / "stop"
+    for attempt in range(4):
+        prober = subprocess.Popen(
+            [SYSTEM_PYTHON, "-I", "-S", "-c", PROBER, str(path), str(stop_file)],
+            stdout=subprocess.PIPE,
+            user=NOBODY,
+            group=NOBODY,
+            extra_groups=[],
+        )
+        modes: set[int] = set()
+        stop = threading.Event()
+        watcher = threading.Thread(target=_watch_modes, args=(path, modes, stop), daemon=True)
+        watcher.start()
+        old = os.umask(0)
+        try:
+            args = ["--sock-mode", "0600"] + (["--workers", str(workers)] if workers > 1 else [])
+            d = daemons.start(*args, port=None, sock=str(path), env=_env(pure))
+        finally:
+            os.umask(old)
+        with d.connect() as own:  # root, the owner, is served
+            own.sendall(b"get id\r\n")
+            assert recv_until(own, b"END\r\n").startswith(b"VALUE id 0 ")
+        time.sleep(0.2)
+        stop_file.touch()
+        out, _ = prober.communicate(timeout=10)
+        stop.set()
+        watcher.join()
+        assert out.startswith(b"0 "), f"start {attempt}: nobody connected: {out!r}"
+        assert modes == {0o600}, f"start {attempt}: modes seen {sorted(oct(m) for m in modes)}"
+        assert d.stop() == 0
+        stop_file.unlink()

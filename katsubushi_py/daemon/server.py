@@ -370,24 +370,23 @@ class Daemon:
             prepare_unix_socket(config.sock)
             server: asyncio.AbstractServer | SocketServer
             try:
-                if DIRECT:
-                    sock = bind_unix(config.sock)
-                    try:
+                # Bound with its mode, listening only after: never reachable with a wider one.
+                sock = bind_unix(config.sock, config.sock_mode)
+                try:
+                    if DIRECT:
                         server = SocketServer(self.loop, sock, lambda: ConnectionHandler(self), backlog)
-                    except OSError:
-                        sock.close()
-                        raise
-                else:
-                    server = await self.loop.create_unix_server(
-                        lambda: ConnectionHandler(self), config.sock, backlog=backlog
-                    )
+                    else:
+                        server = await self.loop.create_unix_server(
+                            lambda: ConnectionHandler(self), sock=sock, backlog=backlog
+                        )
+                except OSError:
+                    sock.close()
+                    raise
             except OSError as exc:
                 await self.close_listeners()
                 raise StartupError(f"cannot listen on {config.sock}: {exc.strerror or exc}") from None
             self.servers.append(server)
             self._own_socket = True
-            if config.sock_mode is not None:
-                os.chmod(config.sock, config.sock_mode)
             self.addresses.append(config.sock)
 
     async def _start_inherited(self) -> bool:

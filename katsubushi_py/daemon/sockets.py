@@ -601,11 +601,27 @@ def bind_tcp(host: str, port: int) -> list[socket.socket]:
     return made
 
 
-def bind_unix(path: str) -> socket.socket:
-    """A unix stream socket bound at ``path`` (which must not exist)."""
+def bind_unix(path: str, mode: int | None = None) -> socket.socket:
+    """A unix stream socket bound at ``path`` (which must not exist), not yet listening.
+
+    With ``mode`` (``--sock-mode``) the file never has a wider mode than that, not even for an
+    instant: it is created under a umask that also masks every bit ``mode`` lacks (only ever
+    narrower than the process's own, so a file another thread creates meanwhile is never wider than
+    it would be), then set to exactly ``mode``, and only then may the caller listen. Binding with the
+    process's umask and chmodding after ``listen`` let another local user connect (and take IDs) in
+    between. Until ``listen`` a connect is refused whatever the mode."""
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
-        sock.bind(path)
+        if mode is None:
+            sock.bind(path)
+        else:
+            old = os.umask(0o777)  # reading the umask means setting it: this value only narrows
+            try:
+                os.umask(old | (0o777 & ~mode))
+                sock.bind(path)
+            finally:
+                os.umask(old)
+            os.chmod(path, mode)
     except OSError:
         sock.close()
         raise
