@@ -7,7 +7,12 @@ from __future__ import annotations
 import contextlib
 import http.client
 import json
+import logging
 import os
+import shutil
+import signal
+import socket
+import ssl
 import stat
 import subprocess
 import threading
@@ -19,6 +24,9 @@ from conftest import DaemonFactory, decode, free_port, recv_until, wait_for_port
 from test_auth import TOKEN
 from test_auth import secrets_dir as secrets_dir  # the fixture: credential files
 from test_http import fetch, start_http
+from tls_certs import make_certs
+
+from katsubushi_py.daemon.refusals import RateLimitedLog
 
 BOTH_PATHS = pytest.mark.parametrize("pure", [False, True], ids=["compiled", "pure"])
 
@@ -165,3 +173,73 @@ def test_unix_socket_never_reachable_with_a_wider_mode(
         assert modes == {0o600}, f"start {attempt}: modes seen {sorted(oct(m) for m in modes)}"
         assert d.stop() == 0
         stop_file.unlink()
+
+
+# -- a non-ASCII TLS server name ---------------------------------------------------------------------
+def _handshake_with_server_name(port: int, name: bytes) -> subprocess.CompletedProcess[bytes]:
+    """``openssl s_client`` sends the server name's bytes as given (Python's ssl insists on ASCII)."""
+    return subprocess.run(
+        ["openssl", "s_client", "-connect", f"127.0.0.1:{port}", "-servername", os.fsdecode(name)],
+        input=b"Q\n",
+        capture_output=True,
+        timeout=10,
+    )
+
+
+@pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl command")
+@BOTH_PATHS
+def test_a_non_ascii_server_name_is_one_json_log_line_not_a_traceback(
+    daemons: DaemonFactory, tmp_path: Path, pure: bool
+) -> None:
+    """CPython decodes the SNI as ASCII before our callback (the certificate reload's) is called and
+    prints a traceback on stderr for each such handshake: with --log-format json the log stays one JSON
+    object a line, the refusal logged once (rate-limited), and other clients are served, also after a
+    reload."""
+    certs = make_certs(tmp_path / "certs")
+    http_port = free_port()
+    d = daemons.start(
+        "--tls-cert", certs.server.cert, "--tls-key", certs.server.key, "--http-port", str(http_port),
+        "--log-format", "json", env=_env(pure),
+    )  # fmt: skip
+    wait_for_port(http_port, d.proc)
+    assert d.port is not None
+    for port in (d.port, http_port, d.port):
+        refused = _handshake_with_server_name(port, "éx.example".encode())
+        assert b"alert" in refused.stderr, refused.stderr  # the handshake fails; the daemon stays
+    os.kill(d.pid, signal.SIGHUP)  # a reload: the callback now switches contexts
+    d.wait_for_log("reload")
+    refused = _handshake_with_server_name(d.port, b"\xff\xfe.example")
+    ctx = ssl.create_default_context(cafile=certs.ca.cert)
+    with ctx.wrap_socket(
+        socket.create_connection(("127.0.0.1", d.port), timeout=5), server_hostname="localhost"
+    ) as tls:
+        tls.sendall(b"get id\r\n")
+        assert recv_until(tls, b"END\r\n").startswith(b"VALUE id 0 ")
+    assert d.stop() == 0
+    lines = d.stderr().splitlines()
+    records = [json.loads(line) for line in lines]  # every line one JSON object
+    said = [r for r in records if "server name (SNI) is not ASCII" in r["msg"]]
+    assert len(said) == 1 and said[0]["level"] == "warning", lines
+    assert "Traceback" not in d.stderr()
+
+
+def test_refusals_are_logged_at_most_once_per_period_with_the_count_left_unsaid(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    now = [100.0]
+    limited = RateLimitedLog(every=10.0, clock=lambda: now[0])
+    caplog.set_level(logging.INFO, logger="katsubushi_py")
+    assert limited("accept", logging.ERROR, "accept failed: %s", "EMFILE")
+    for _ in range(5):
+        now[0] += 1
+        assert not limited("accept", logging.ERROR, "accept failed: %s", "EMFILE")
+    assert limited("state", logging.ERROR, "state file: %s", "EMFILE")  # another kind: its own period
+    now[0] += 5
+    assert limited("accept", logging.ERROR, "accept failed: %s", "EMFILE")
+    said = [r.getMessage() for r in caplog.records]
+    assert said == [
+        "accept failed: EMFILE",
+        "state file: EMFILE",
+        "accept failed: EMFILE (5 more like it not logged in the last 10 s)",
+    ]
+    assert limited.counts == {"accept": 7, "state": 1}
