@@ -9,6 +9,7 @@ import http.client
 import json
 import logging
 import os
+import resource
 import shutil
 import signal
 import socket
@@ -20,7 +21,8 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import DaemonFactory, decode, free_port, recv_until, wait_for_port
+from conftest import Daemon, DaemonFactory, decode, free_port, parse_values, recv_until, wait_for_port
+from lease_helpers import wait_until
 from test_auth import TOKEN
 from test_auth import secrets_dir as secrets_dir  # the fixture: credential files
 from test_http import fetch, start_http
@@ -243,3 +245,78 @@ def test_refusals_are_logged_at_most_once_per_period_with_the_count_left_unsaid(
         "accept failed: EMFILE (5 more like it not logged in the last 10 s)",
     ]
     assert limited.counts == {"accept": 7, "state": 1}
+
+
+# -- descriptor exhaustion ---------------------------------------------------------------------------
+def _open_descriptors(pid: int) -> int:
+    return len(os.listdir(f"/proc/{pid}/fd"))
+
+
+def _state_mark(d: Daemon) -> int:
+    state = Path(d.stderr().split("state file ", 1)[1].split(" ", 1)[0])
+    return json.loads(state.read_text())["high_water_ms"]
+
+
+@BOTH_PATHS
+def test_descriptor_exhaustion_never_stops_the_state_file_or_authenticated_clients(
+    daemons: DaemonFactory,
+    secrets_dir: Path,
+    pure: bool,
+) -> None:
+    """Idle connections fill the daemon's descriptor table (RLIMIT_NOFILE lowered on the running
+    daemon): clients that logged in before keep getting IDs for longer than two reservation windows
+    (2 s each), so the state file is rewritten while no descriptor is free; every ID stays at or below
+    the stored mark and is unique; the refusals are logged, rate-limited; once the idle connections go,
+    new clients are served again."""
+    http_port = free_port()
+    d = daemons.start(
+        "--http-port", str(http_port), "--auth-file", str(secrets_dir / "users"),
+        "--token-file", str(secrets_dir / "tokens"), env=_env(pure),
+    )  # fmt: skip
+    wait_for_port(http_port, d.proc)
+    assert d.port is not None
+    mc = d.connect()
+    mc.sendall(b"set auth 0 0 13\r\nalice secret1\r\n")
+    assert recv_until(mc, b"\r\n") == b"STORED\r\n"
+    web = http.client.HTTPConnection("127.0.0.1", http_port, timeout=5)
+    bearer = {"Authorization": f"Bearer {TOKEN}"}
+    assert fetch(web, "/id", **bearer)[0] == 200
+    mark_before = _state_mark(d)
+
+    limit = _open_descriptors(d.pid) + 16
+    resource.prlimit(d.pid, resource.RLIMIT_NOFILE, (limit, limit))
+    idle: list[socket.socket] = []
+    try:
+        for port in [d.port, http_port] * 40:  # more than the table holds: the rest wait in the backlog
+            idle.append(socket.create_connection(("127.0.0.1", port), timeout=5))
+        wait_until(lambda: _open_descriptors(d.pid) >= limit - 2, 5)  # (the reserve holds two)
+        issued: list[int] = []
+        deadline = time.monotonic() + 4.5
+        while time.monotonic() < deadline:
+            mc.sendall(b"get a b c\r\n")
+            reply = recv_until(mc, b"END\r\n")
+            assert reply.startswith(b"VALUE"), reply
+            issued += [value for _, value in parse_values(reply)]
+            status, _, body = fetch(web, "/ids?n=5", **bearer)
+            assert status == 200, body
+            issued += [int(x) for x in body.split(b"\n")]
+            time.sleep(0.02)
+        assert _open_descriptors(d.pid) >= limit - 2  # still exhausted all along
+        mark = _state_mark(d)
+        assert mark > mark_before + 2000  # rewritten at least once while exhausted
+        assert len(issued) == len(set(issued)) > 300
+        assert max(decode(i)[0] for i in issued) <= mark
+    finally:
+        for s in idle:
+            s.close()
+    log = d.stderr()
+    assert "state file is written with a reserved one" in log
+    # The listener's refusals (our accept loop's line, or the watch's for uvloop's listeners, which
+    # drop them silently): one line in 10 s, rate-limited.
+    refused = [line for line in log.splitlines() if "cannot accept connections now" in line or "are refused" in line]
+    assert len(refused) == 1, log
+    assert "cannot write state file" not in log and "Traceback" not in log, log
+    wait_until(lambda: _open_descriptors(d.pid) < limit - 8, 10)
+    fresh = http.client.HTTPConnection("127.0.0.1", http_port, timeout=5)
+    assert fetch(fresh, "/id", **bearer)[0] == 200
+    mc.close()

@@ -17,7 +17,11 @@ the client with an ``internal_error`` alert).
 
 from __future__ import annotations
 
+import asyncio
+import errno
 import logging
+import os
+import resource
 import sys
 import time
 from collections.abc import Callable
@@ -58,6 +62,48 @@ class RateLimitedLog:
 
 #: The daemon's one instance: accept failures, state-file writes and bad server names share it.
 refusals = RateLimitedLog()
+
+
+class DescriptorWatch:
+    """Says in the log when the descriptor table is full, whichever listener meets it.
+
+    Our socket transport's accept loop sees ``EMFILE`` and logs it; the event loop's own servers
+    (uvloop's libuv) do not: libuv then accepts and closes the waiting connections with a descriptor it
+    keeps in reserve, and says nothing. So once a second this opens and closes ``/dev/null`` (two
+    system calls): refused with ``EMFILE`` or ``ENFILE``, the table is full and new clients are being
+    refused, which is logged (rate-limited, the same kind of line as the accept loop's)."""
+
+    INTERVAL = 1.0
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, connections: Callable[[], int]) -> None:
+        self._loop = loop
+        self._connections = connections
+        #: Probes that found the table full.
+        self.full = 0
+        self._handle: asyncio.TimerHandle | None = loop.call_later(self.INTERVAL, self._probe)
+
+    def stop(self) -> None:
+        if self._handle is not None:
+            self._handle.cancel()
+            self._handle = None
+
+    def _probe(self) -> None:
+        try:
+            os.close(os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC))
+        except OSError as exc:
+            if exc.errno in (errno.EMFILE, errno.ENFILE):
+                self.full += 1
+                soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+                refusals(
+                    "accept",
+                    logging.WARNING,
+                    "out of file descriptors (%s; %d client connections open, limit %d): new connections"
+                    " are refused until some close (see --max-connections and LimitNOFILE)",
+                    exc.strerror or exc,
+                    self._connections(),
+                    soft,
+                )
+        self._handle = self._loop.call_later(self.INTERVAL, self._probe)
 
 
 def _unraisable(unraisable: Any) -> None:

@@ -34,6 +34,7 @@ from ..leasing import LeaseError, LeaseKeeper
 from .activation import ActivationError, describe, inherited_sockets
 from .connection import ConnectionHandler
 from .deadlines import RequestDeadlines
+from .refusals import DescriptorWatch
 from .sockets import DIRECT, SocketServer, bind_tcp, bind_unix
 from .stats import Stats, settings_fields
 from .tls import TlsConfig, TlsError, TlsServer
@@ -195,6 +196,7 @@ class Daemon:
         self._own_socket = False
         self.tls: TlsServer | None = None  # made by start() (the files are read again there)
         self.deadlines: RequestDeadlines | None = None
+        self.descriptors: DescriptorWatch | None = None
         #: What SIGHUP rereads (credentials; certificates where TLS is served), and memcached's
         #: ``refresh_certs`` the certificates: callables returning None or why not. Each keeps what it
         #: has when its files are not usable, and says so in the log.
@@ -348,6 +350,7 @@ class Daemon:
         if config.request_timeout > 0:
             self.deadlines = RequestDeadlines(self, config.request_timeout)
             self.issuer.stats_fields = _chain(self.issuer.stats_fields, self.deadlines.stat_fields)
+        self.descriptors = DescriptorWatch(self.loop, lambda: len(self.connections))
         # Sockets made for us (--workers) or passed by systemd replace the memcached listeners (--port,
         # --sock); HTTP and gRPC bind as usual unless the supervisor made their sockets too.
         if self.listeners is not None:
@@ -447,6 +450,8 @@ class Daemon:
         self.issuer.unavailable = "shutting down"
         if self.deadlines is not None:
             self.deadlines.stop()
+        if self.descriptors is not None:
+            self.descriptors.stop()
         for server in self.servers:
             server.close()
         self._all_closed = asyncio.Event()

@@ -40,6 +40,7 @@ from collections import deque
 from typing import Any
 
 from ..compiled import speedups
+from .refusals import refusals
 from .tls import TlsHandshake
 
 log = logging.getLogger("katsubushi_py")
@@ -536,8 +537,15 @@ class SocketServer:
                 return
             except OSError as exc:
                 if exc.errno in _ACCEPT_PAUSE_ERRNOS:
-                    # Out of file descriptors or memory: try again in a second rather than spin.
-                    log.warning("cannot accept connections now: %s; retrying in 1s", exc.strerror or exc)
+                    # Out of file descriptors or memory: try again in a second rather than spin. Said
+                    # at most once every 10 s (every listener, every second, would flood the log).
+                    refusals(
+                        "accept",
+                        logging.WARNING,
+                        "cannot accept connections now: %s; retrying every second (new clients wait in the"
+                        " backlog; see --max-connections and LimitNOFILE)",
+                        exc.strerror or exc,
+                    )
                     self._loop.remove_reader(self._sock.fileno())
                     self._resume_handle = self._loop.call_later(1.0, self._resume_accepting)
                     return
