@@ -15,6 +15,7 @@ import signal
 import socket
 import ssl
 import stat
+import struct
 import subprocess
 import threading
 import time
@@ -320,3 +321,78 @@ def test_descriptor_exhaustion_never_stops_the_state_file_or_authenticated_clien
     fresh = http.client.HTTPConnection("127.0.0.1", http_port, timeout=5)
     assert fetch(fresh, "/id", **bearer)[0] == 200
     mc.close()
+
+
+# -- fairness ----------------------------------------------------------------------------------------
+def _binary_ids(data: bytes) -> list[int]:
+    """The values of the binary responses in ``data`` (each an ID in decimal), the final noop's none."""
+    ids, at = [], 0
+    while at + 24 <= len(data):
+        key_length, extras_length = struct.unpack_from(">H", data, at + 2)[0], data[at + 4]
+        body = struct.unpack_from(">I", data, at + 8)[0]
+        value = data[at + 24 + extras_length + key_length : at + 24 + body]
+        if value:
+            ids.append(int(value))
+        at += 24 + body
+    assert at == len(data)
+    return ids
+
+
+def _large_request(kind: str, keys: int) -> tuple[bytes, bytes]:
+    """A request for ``keys`` IDs at once, and what ends its reply."""
+    if kind == "text get":
+        return b"get" + b" k" * keys + b"\r\n", b"END\r\n"
+    noop = struct.pack(">BBHBBHIIQ", 0x80, 0x0A, 0, 0, 0, 0, 0, 0, 0)
+    getkq = struct.pack(">BBHBBHIIQ", 0x80, 0x0D, 1, 0, 0, 0, 1, 0, 0) + b"k"
+    return getkq * keys + noop, b"\x81\x0a" + bytes(22)  # the noop's response: the last one
+
+
+def _race(d: Daemon, kind: str, keys: int) -> tuple[list[int], list[int]]:
+    """A's IDs, asked one at a time while B's one large request is answered, and B's IDs."""
+    request, end = _large_request(kind, keys)
+    big = d.connect(timeout=10)
+    big.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4 << 20)
+    small = d.connect()
+    small.sendall(b"get a\r\n")
+    recv_until(small, b"END\r\n")  # connected and served before B starts
+    served: list[int] = []
+    done = threading.Event()
+
+    def one_at_a_time() -> None:
+        while not done.is_set():
+            small.sendall(b"get a\r\n")
+            served.extend(value for _, value in parse_values(recv_until(small, b"END\r\n")))
+
+    asker = threading.Thread(target=one_at_a_time)
+    asker.start()
+    big.sendall(request)
+    time.sleep(0.3)  # B reads nothing meanwhile: its reply waits in the socket buffers
+    done.set()
+    asker.join()
+    reply = recv_until(big, end)
+    theirs = [value for _, value in parse_values(reply)] if kind == "text get" else _binary_ids(reply)
+    big.close()
+    small.close()
+    return served, theirs
+
+
+@BOTH_PATHS
+@pytest.mark.parametrize("kind", ["text get", "binary multi-get"])
+def test_a_concurrent_client_is_served_between_the_slices_of_a_large_request(
+    daemons: DaemonFactory, pure: bool, kind: str
+) -> None:
+    """A asks for one ID at a time, back to back, while B's one request asks for 40,000 (at least ten
+    milliseconds of the generator's 4,096 IDs a millisecond, and a reply that fits in the socket
+    buffers, so writing never pauses and nothing but the slicing lets anyone else in). The IDs say
+    the order in which the requests were served: some of A's fall strictly inside B's range, so A was
+    answered between two slices of B's. Before the slicing, B's request was answered in one go and
+    every one of A's IDs was below or above all of B's."""
+    d = daemons.start(env=_env(pure))
+    inside: list[int] = []
+    for _ in range(5):  # A's first request may race ahead of B's: then try again
+        served, theirs = _race(d, kind, 40_000)
+        assert len(theirs) == 40_000 and len(set(theirs) | set(served)) == len(theirs) + len(served)
+        inside = [i for i in served if min(theirs) < i < max(theirs)]
+        if inside:
+            break
+    assert len(inside) >= 2, f"{kind}: none of A's {len(served)} requests was served between B's slices"
