@@ -22,11 +22,21 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import Daemon, DaemonFactory, decode, free_port, parse_values, recv_until, wait_for_port
+from conftest import (
+    Daemon,
+    DaemonFactory,
+    decode,
+    free_port,
+    parse_values,
+    recv_all,
+    recv_until,
+    wait_for_port,
+)
 from lease_helpers import wait_until
 from test_auth import TOKEN
 from test_auth import secrets_dir as secrets_dir  # the fixture: credential files
 from test_http import fetch, start_http
+from test_http_protocol import parse_replies
 from tls_certs import make_certs
 
 from katsubushi_py.daemon.refusals import RateLimitedLog
@@ -342,15 +352,17 @@ def _large_request(kind: str, keys: int) -> tuple[bytes, bytes]:
     """A request for ``keys`` IDs at once, and what ends its reply."""
     if kind == "text get":
         return b"get" + b" k" * keys + b"\r\n", b"END\r\n"
+    if kind == "http pipelined":  # /ids?n=1000 keys // 1000 times in one write (the end: the last ID)
+        return b"GET /ids?n=1000 HTTP/1.1\r\nHost: k\r\n\r\n" * (keys // 1000), b""
     noop = struct.pack(">BBHBBHIIQ", 0x80, 0x0A, 0, 0, 0, 0, 0, 0, 0)
     getkq = struct.pack(">BBHBBHIIQ", 0x80, 0x0D, 1, 0, 0, 0, 1, 0, 0) + b"k"
     return getkq * keys + noop, b"\x81\x0a" + bytes(22)  # the noop's response: the last one
 
 
-def _race(d: Daemon, kind: str, keys: int) -> tuple[list[int], list[int]]:
+def _race(d: Daemon, kind: str, keys: int, http_port: int) -> tuple[list[int], list[int]]:
     """A's IDs, asked one at a time while B's one large request is answered, and B's IDs."""
     request, end = _large_request(kind, keys)
-    big = d.connect(timeout=10)
+    big = d.connect(timeout=10) if http_port == 0 else socket.create_connection(("127.0.0.1", http_port), timeout=10)
     big.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4 << 20)
     small = d.connect()
     small.sendall(b"get a\r\n")
@@ -369,15 +381,19 @@ def _race(d: Daemon, kind: str, keys: int) -> tuple[list[int], list[int]]:
     time.sleep(0.3)  # B reads nothing meanwhile: its reply waits in the socket buffers
     done.set()
     asker.join()
-    reply = recv_until(big, end)
-    theirs = [value for _, value in parse_values(reply)] if kind == "text get" else _binary_ids(reply)
+    if kind == "http pipelined":
+        theirs = [int(i) for r in parse_replies(recv_all(big, 1.0)) for i in r.body.split(b"\n")]
+    elif kind == "text get":
+        theirs = [value for _, value in parse_values(recv_until(big, end))]
+    else:
+        theirs = _binary_ids(recv_until(big, end))
     big.close()
     small.close()
     return served, theirs
 
 
 @BOTH_PATHS
-@pytest.mark.parametrize("kind", ["text get", "binary multi-get"])
+@pytest.mark.parametrize("kind", ["text get", "binary multi-get", "http pipelined"])
 def test_a_concurrent_client_is_served_between_the_slices_of_a_large_request(
     daemons: DaemonFactory, pure: bool, kind: str
 ) -> None:
@@ -387,10 +403,13 @@ def test_a_concurrent_client_is_served_between_the_slices_of_a_large_request(
     the order in which the requests were served: some of A's fall strictly inside B's range, so A was
     answered between two slices of B's. Before the slicing, B's request was answered in one go and
     every one of A's IDs was below or above all of B's."""
-    d = daemons.start(env=_env(pure))
+    http_port = free_port() if kind == "http pipelined" else 0
+    d = daemons.start(*(["--http-port", str(http_port)] if http_port else []), env=_env(pure))
+    if http_port:
+        wait_for_port(http_port, d.proc)
     inside: list[int] = []
     for _ in range(5):  # A's first request may race ahead of B's: then try again
-        served, theirs = _race(d, kind, 40_000)
+        served, theirs = _race(d, kind, 40_000, http_port)
         assert len(theirs) == 40_000 and len(set(theirs) | set(served)) == len(theirs) + len(served)
         inside = [i for i in served if min(theirs) < i < max(theirs)]
         if inside:
