@@ -183,6 +183,11 @@ def setup_logging(level: str, fmt: str) -> None:
     root.handlers[:] = [handler]
     root.setLevel(level)
     root.propagate = False
+    # What Python cannot raise anywhere (a non-ASCII TLS server name, in CPython's own callback) goes
+    # to this log, not as a traceback on stderr past its format.
+    from .daemon.refusals import install_unraisable_hook
+
+    install_unraisable_hook()
 
 
 def loop_factory(name: str) -> Callable[[], asyncio.AbstractEventLoop]:

@@ -216,7 +216,7 @@ class AuthGate:
         if command == b"set" and len(tokens) in (5, 6) and (len(tokens) == 5 or tokens[5] == b"noreply"):
             length = tokens[4]
             if length.isdigit() and all(t.isdigit() or (t[:1] == b"-" and t[1:].isdigit()) for t in tokens[2:4]):
-                if int(length) > MAX_DATA:
+                if len(length) > 9 or int(length) > MAX_DATA:  # (int() refuses thousands of digits)
                     self.closing = True  # not read: the login data is a user and a password
                     return BAD_TOKEN_FORMAT
                 self._state = _DATA

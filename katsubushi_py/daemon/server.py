@@ -36,6 +36,7 @@ from .admission import Admission
 from .connection import ConnectionHandler
 from .deadlines import RequestDeadlines
 from .memory import TRIMMER
+from .refusals import DescriptorWatch
 from .sockets import DIRECT, SocketServer, bind_tcp, bind_unix
 from .stats import Stats, settings_fields
 from .tls import TlsConfig, TlsError, TlsServer
@@ -218,6 +219,7 @@ class Daemon:
         self._own_socket = False
         self.tls: TlsServer | None = None  # made by start() (the files are read again there)
         self.deadlines: RequestDeadlines | None = None
+        self.descriptors: DescriptorWatch | None = None
         #: What SIGHUP rereads (credentials; certificates where TLS is served), and memcached's
         #: ``refresh_certs`` the certificates: callables returning None or why not. Each keeps what it
         #: has when its files are not usable, and says so in the log.
@@ -378,6 +380,7 @@ class Daemon:
         if config.request_timeout > 0:
             self.deadlines = RequestDeadlines(self, config.request_timeout)
             self.issuer.stats_fields = _chain(self.issuer.stats_fields, self.deadlines.stat_fields)
+        self.descriptors = DescriptorWatch(self.loop, lambda: len(self.connections))
         # Sockets made for us (--workers) or passed by systemd replace the memcached listeners (--port,
         # --sock); HTTP and gRPC bind as usual unless the supervisor made their sockets too.
         if self.listeners is not None:
@@ -400,24 +403,23 @@ class Daemon:
             prepare_unix_socket(config.sock)
             server: asyncio.AbstractServer | SocketServer
             try:
-                if DIRECT:
-                    sock = bind_unix(config.sock)
-                    try:
+                # Bound with its mode, listening only after: never reachable with a wider one.
+                sock = bind_unix(config.sock, config.sock_mode)
+                try:
+                    if DIRECT:
                         server = SocketServer(self.loop, sock, lambda: ConnectionHandler(self), backlog)
-                    except OSError:
-                        sock.close()
-                        raise
-                else:
-                    server = await self.loop.create_unix_server(
-                        lambda: ConnectionHandler(self), config.sock, backlog=backlog
-                    )
+                    else:
+                        server = await self.loop.create_unix_server(
+                            lambda: ConnectionHandler(self), sock=sock, backlog=backlog
+                        )
+                except OSError:
+                    sock.close()
+                    raise
             except OSError as exc:
                 await self.close_listeners()
                 raise StartupError(f"cannot listen on {config.sock}: {exc.strerror or exc}") from None
             self.servers.append(server)
             self._own_socket = True
-            if config.sock_mode is not None:
-                os.chmod(config.sock, config.sock_mode)
             self.addresses.append(config.sock)
 
     async def _start_inherited(self) -> bool:
@@ -480,6 +482,8 @@ class Daemon:
         self.issuer.unavailable = "shutting down"
         if self.deadlines is not None:
             self.deadlines.stop()
+        if self.descriptors is not None:
+            self.descriptors.stop()
         for server in self.servers:
             server.close()
         self._all_closed = asyncio.Event()

@@ -42,6 +42,7 @@ from typing import Any
 
 from ..compiled import speedups
 from .memory import TRIMMER
+from .refusals import refusals
 from .tls import TlsHandshake
 
 log = logging.getLogger("katsubushi_py")
@@ -540,8 +541,15 @@ class SocketServer:
                 return
             except OSError as exc:
                 if exc.errno in _ACCEPT_PAUSE_ERRNOS:
-                    # Out of file descriptors or memory: try again in a second rather than spin.
-                    log.warning("cannot accept connections now: %s; retrying in 1s", exc.strerror or exc)
+                    # Out of file descriptors or memory: try again in a second rather than spin. Said
+                    # at most once every 10 s (every listener, every second, would flood the log).
+                    refusals(
+                        "accept",
+                        logging.WARNING,
+                        "cannot accept connections now: %s; retrying every second (new clients wait in the"
+                        " backlog; see --max-connections and LimitNOFILE)",
+                        exc.strerror or exc,
+                    )
                     self._loop.remove_reader(self._sock.fileno())
                     self._resume_handle = self._loop.call_later(1.0, self._resume_accepting)
                     return
@@ -609,11 +617,27 @@ def bind_tcp(host: str, port: int) -> list[socket.socket]:
     return made
 
 
-def bind_unix(path: str) -> socket.socket:
-    """A unix stream socket bound at ``path`` (which must not exist)."""
+def bind_unix(path: str, mode: int | None = None) -> socket.socket:
+    """A unix stream socket bound at ``path`` (which must not exist), not yet listening.
+
+    With ``mode`` (``--sock-mode``) the file never has a wider mode than that, not even for an
+    instant: it is created under a umask that also masks every bit ``mode`` lacks (only ever
+    narrower than the process's own, so a file another thread creates meanwhile is never wider than
+    it would be), then set to exactly ``mode``, and only then may the caller listen. Binding with the
+    process's umask and chmodding after ``listen`` let another local user connect (and take IDs) in
+    between. Until ``listen`` a connect is refused whatever the mode."""
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
-        sock.bind(path)
+        if mode is None:
+            sock.bind(path)
+        else:
+            old = os.umask(0o777)  # reading the umask means setting it: this value only narrows
+            try:
+                os.umask(old | (0o777 & ~mode))
+                sock.bind(path)
+            finally:
+                os.umask(old)
+            os.chmod(path, mode)
     except OSError:
         sock.close()
         raise

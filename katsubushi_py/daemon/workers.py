@@ -48,6 +48,7 @@ from typing import TYPE_CHECKING
 from ..config import ServerConfig
 from .activation import ActivationError, describe, inherited_sockets
 from .server import Listeners, StartupError, prepare_unix_socket, startup_warnings
+from .sockets import bind_unix
 
 if TYPE_CHECKING:
     from .server import Daemon
@@ -157,11 +158,11 @@ def reuseport_sockets(host: str, port: int, count: int, backlog: int) -> list[so
 
 def unix_socket(path: str, mode: int | None, backlog: int) -> socket.socket:
     prepare_unix_socket(path)
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
-        sock.bind(path)
-        if mode is not None:
-            os.chmod(path, mode)
+        sock = bind_unix(path, mode)  # with its mode before it listens
+    except OSError as exc:
+        raise StartupError(f"cannot listen on {path}: {exc.strerror or exc}") from None
+    try:
         sock.listen(backlog)
     except OSError as exc:
         sock.close()

@@ -403,8 +403,9 @@ class GrpcConnection(GrpcCore):
             # --token-file: the call goes to the fast path only with a good token (else h2 opens it and
             # _request refuses it). A block remembered here carries a token checked against the
             # credentials in use: a reload makes every connection forget them (Daemon.forget_headers).
-            token = next((value for name, value in headers if name == b"authorization"), None)
-            if not credentials.check_authorization(token, count=False):
+            # More than one authorization value is refused, by _request: it goes there (method 0).
+            tokens = [value for name, value in headers if name == b"authorization"]
+            if len(tokens) != 1 or not credentials.check_authorization(tokens[0], count=False):
                 method = 0
         if not neutral:
             block = literal_block(headers)
@@ -450,9 +451,11 @@ class GrpcConnection(GrpcCore):
         self.activity += 1
         self._requests += 1
         method = path = ctype = encoding = timeout = authorization = None
+        authorizations = 0
         for name, value in headers:
             if name == b"authorization":
                 authorization = value
+                authorizations += 1
             elif name == b":path":
                 path = value
             elif name == b":method":
@@ -480,6 +483,13 @@ class GrpcConnection(GrpcCore):
             self._abort(sid, b"405", svc.INTERNAL, f'method "{shown}" is not allowed: gRPC calls are POST')
             return
         credentials = self._service.credentials
+        if credentials is not None and authorizations > 1:
+            # Which of several values counts is a choice two implementations can make differently (a
+            # proxy in front may judge the first, we the last): the call is refused whatever they say.
+            credentials.check_authorization(None)  # counted as a failed authentication
+            text = f"{authorizations} authorization metadata values: send exactly one (Bearer <token>)"
+            self._abort(sid, b"200", svc.UNAUTHENTICATED, text)
+            return
         if credentials is not None and not credentials.check_authorization(authorization):
             text = "invalid bearer token" if authorization else "missing metadata authorization: Bearer <token>"
             self._abort(sid, b"200", svc.UNAUTHENTICATED, text)

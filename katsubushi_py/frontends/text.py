@@ -66,6 +66,9 @@ from ..issuing.errors import ClockWait
 from ..issuing.issuer import Issuer
 from .fastpath import COMPILED, GET_BATCH, MAX_KEY, REPLY_BUDGET, TextCore
 
+#: The keys of a get line are split this many bytes at a time (see ``_run``, state KEYS).
+KEYS_CHUNK = 16 * 1024
+
 #: go-katsubushi serves lines of up to 65,536 bytes including the LF; any line but a get's still has
 #: that limit here (a get line has none: its keys are answered as they arrive).
 MAX_LINE = 65_536
@@ -382,6 +385,18 @@ class TextConnection(TextCore):
                 spent += len(reply)
             elif state == KEYS:
                 newline = data.find(b"\n", pos)
+                if (size if newline < 0 else newline) - pos > KEYS_CHUNK:
+                    # A long run of keys is split a chunk at a time (at a space, so no key is cut): the
+                    # keys held when the reply budget is reached are then a chunk's, not the whole
+                    # line's, and each resume costs a chunk, not what is left of a 1 MiB line.
+                    cut = data.rfind(b" ", pos + 1, pos + KEYS_CHUNK)
+                    if cut > pos:
+                        reply = self._keys(data[pos:cut].split(), 0, data[cut:], out, spent)
+                        if reply is None:
+                            return b"".join(out)
+                        spent = reply
+                        pos = cut
+                        continue
                 if newline < 0:
                     keys = data[pos:].split()
                     partial = b""

@@ -25,6 +25,15 @@ one that gained a link it writes it in place instead of replacing it, so the lin
 broken into a stale copy that a daemon could later start from. What is not caught: a single file
 bind-mounted at two places (two mount points, one inode, one link).
 
+**Descriptors.** Client sockets and the state file draw on one descriptor table: a flood of idle
+connections can fill it (``EMFILE`` under a ``LimitNOFILE``), and a write that then needs a new
+descriptor would fail, leaving clients already served unable to get an ID. So a locked state file
+keeps its directory open (the directory's fsync needs no new descriptor) and the process keeps a
+reserve of spare descriptors (:class:`_Reserve`, two ``/dev/null`` opens): an ``open`` refused with
+``EMFILE`` or ``ENFILE`` releases one and tries again (the kernel gives the lowest free number, the
+one just released), and the reserve is refilled as soon as the write's descriptor is closed. Every
+write refused for want of descriptors is logged (rate-limited).
+
 **State directory.** :class:`StateDirectory` keeps one such file per worker id,
 ``DIR/worker-<id>.state``: a daemon with a static worker id uses its own, and a daemon leasing worker
 ids from Redis uses the file of each id it holds, so it never issues under an id at or below the
@@ -34,6 +43,7 @@ last millisecond it (or another daemon of this host) may have issued under it, w
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import json
 import logging
@@ -44,6 +54,69 @@ from pathlib import Path
 from .errors import StateFileError
 
 FORMAT = "katsubushi-py-state/1"
+
+log = logging.getLogger("katsubushi_py")
+
+_EXHAUSTED = (errno.EMFILE, errno.ENFILE)
+
+
+class _Reserve:
+    """Spare descriptors kept for the state file's writes (see the module's docstring). One per
+    process (a forked ``--workers`` process inherits the supervisor's and keeps its own copies)."""
+
+    SIZE = 2
+
+    def __init__(self) -> None:
+        self._spare: list[int] = []
+        #: Opens that needed a spare descriptor, and writes refused even so (for tests and STATS).
+        self.used = 0
+        self.refused = 0
+
+    def refill(self) -> None:
+        """Take descriptors back up to :attr:`SIZE`, as far as the table allows now."""
+        while len(self._spare) < self.SIZE:
+            try:
+                self._spare.append(os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC))
+            except OSError:
+                return
+
+    def open(self, path: str | os.PathLike[str], flags: int, mode: int = 0o644, dir_fd: int | None = None) -> int:
+        """``os.open``; refused for want of descriptors, again with a spare one released."""
+        try:
+            return os.open(path, flags | os.O_CLOEXEC, mode, dir_fd=dir_fd)
+        except OSError as exc:
+            if exc.errno not in _EXHAUSTED or not self._spare:
+                raise
+            why = exc.strerror or str(exc)
+        os.close(self._spare.pop())
+        self.used += 1
+        _refused(
+            "state-file-reserve",
+            logging.WARNING,
+            "out of file descriptors (%s): the state file is written with a reserved one; clients are"
+            " holding the rest (see --max-connections and LimitNOFILE)",
+            why,
+        )
+        return os.open(path, flags | os.O_CLOEXEC, mode, dir_fd=dir_fd)
+
+    def release(self) -> None:
+        """Close the spares (tests; a process about to exec)."""
+        while self._spare:
+            os.close(self._spare.pop())
+
+
+def _refused(kind: str, level: int, message: str, *args: object) -> None:
+    """A rate-limited log line (the daemon's, when it runs; plain logging otherwise)."""
+    try:
+        from ..daemon.refusals import refusals
+    except ImportError:  # pragma: no cover (the daemon package is always there)
+        log.log(level, message, *args)
+    else:
+        refusals(kind, level, message, *args)
+
+
+#: The process's reserve, filled when a state file is first locked.
+reserve = _Reserve()
 
 
 class StateFileInUse(StateFileError):
@@ -70,6 +143,8 @@ class StateFile:
         #: The worker id the file was last written for (set by :meth:`load`; None: no file yet).
         self.recorded_worker_id: int | None = None
         self._lock_fd: int | None = None
+        #: The directory, kept open while locked: its fsync needs no new descriptor.
+        self._dir_fd: int | None = None
         self._warned_links = False
 
     @property
@@ -98,8 +173,9 @@ class StateFile:
         Idempotent. The lock lives as long as this object (or the process) does."""
         if self._lock_fd is not None:
             return
+        reserve.refill()
         try:
-            fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+            fd = reserve.open(self.lock_path, os.O_RDWR | os.O_CREAT, 0o644)
         except OSError as exc:
             raise StateFileError(
                 f"cannot write state file {self.described} (its lock file {self.lock_path.name}): {exc.strerror or exc}"
@@ -126,12 +202,23 @@ class StateFile:
                 f" lock another lock file and issue under the same worker id. Give each daemon its own state"
                 f" file, and remove the other links (find them: find / -xdev -samefile {self.real_path})"
             )
+        try:
+            self._dir_fd = reserve.open(self.real_path.parent, os.O_RDONLY | os.O_DIRECTORY)
+        except OSError as exc:
+            os.close(fd)
+            raise StateFileError(
+                f"cannot open the directory of state file {self.described}: {exc.strerror or exc}"
+            ) from None
         with contextlib.suppress(OSError):  # the pid is for messages only
             os.ftruncate(fd, 0)
             os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
         self._lock_fd = fd
+        reserve.refill()
 
     def unlock(self) -> None:
+        dir_fd, self._dir_fd = self._dir_fd, None
+        if dir_fd is not None:
+            os.close(dir_fd)
         fd, self._lock_fd = self._lock_fd, None
         if fd is not None:
             os.close(fd)  # closing the only descriptor releases the flock
@@ -185,21 +272,36 @@ class StateFile:
             else:
                 self._store_by_rename(line)
         except OSError as exc:
+            if exc.errno in _EXHAUSTED:
+                reserve.refused += 1
+                _refused(
+                    "state-file-exhausted",
+                    logging.ERROR,
+                    "cannot write state file %s: %s (no descriptor left, the reserve used up): no ID is issued"
+                    " past its mark until one is free",
+                    self.described,
+                    exc.strerror or exc,
+                )
             raise StateFileError(f"cannot write state file {self.described}: {exc.strerror or exc}") from None
+        finally:
+            reserve.refill()  # the write's descriptor is closed: take the spare back before a client does
         self.recorded_worker_id = worker_id
 
     def _store_by_rename(self, line: bytes) -> None:
         """The usual way: a temporary file, fsynced, renamed over the file at its real path (so a
         symlink stays a symlink), the directory fsynced: a crash leaves the old mark or the new one."""
         tmp = self.real_path.with_name(f".{self.real_path.name}.tmp")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        fd = reserve.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         try:
             os.write(fd, line)
             os.fsync(fd)
         finally:
             os.close(fd)
         os.replace(tmp, self.real_path)
-        dir_fd = os.open(self.real_path.parent, os.O_RDONLY)
+        if self._dir_fd is not None:  # locked: the directory is open already
+            os.fsync(self._dir_fd)
+            return
+        dir_fd = reserve.open(self.real_path.parent, os.O_RDONLY)
         try:
             os.fsync(dir_fd)
         finally:
@@ -220,7 +322,7 @@ class StateFile:
                 self._links(),
                 self.real_path,
             )
-        fd = os.open(self.real_path, os.O_WRONLY)
+        fd = reserve.open(self.real_path, os.O_WRONLY)
         try:
             old = os.fstat(fd).st_size
             os.pwrite(fd, line.ljust(old, b" "), 0)
