@@ -218,7 +218,9 @@ def test_parked_header_blocks_are_bounded_and_closed_by_the_deadline(
 
 
 # -- 4 WINDOW_UPDATE flooders -------------------------------------------------------------------------
-def flood_window_updates(port: int, until: float, goaways: list[int], frames_sent: list[int]) -> None:
+def flood_window_updates(
+    port: int, until: float, goaways: list[int], frames_sent: list[int], connections: list[int]
+) -> None:
     """Open a stream h2 keeps (a ``cookie`` header makes it no plain call), then WINDOW_UPDATEs on it and
     on the connection until the server says GOAWAY; again on a new connection, until ``until``."""
     block = literal_block(
@@ -230,6 +232,7 @@ def flood_window_updates(port: int, until: float, goaways: list[int], frames_sen
     batch = b"".join(frame(WINDOW_UPDATE, 0, i % 2, b"\x00\x00\x00\x01") for i in range(1000))
     while time.monotonic() < until:
         sock = socket.create_connection(("127.0.0.1", port), timeout=5)
+        connections[0] += 1
         sock.sendall(PREFACE + frame(SETTINGS, 0, 0, b"") + frame(HEADERS, 0x4, 1, block))
         heard = b""
         try:
@@ -270,28 +273,35 @@ def test_window_update_flooders_get_goaway_and_others_are_served(
     watch = Watch(daemon.pid)
     goaways: list[int] = []
     sent = [0]
+    connections = [0]
     cpu_before = cpu_seconds(daemon.pid)
     started = time.monotonic()
     flooders = [
-        threading.Thread(target=flood_window_updates, args=(gport, started + 6, goaways, sent)) for _ in range(4)
+        threading.Thread(target=flood_window_updates, args=(gport, started + 6, goaways, sent, connections))
+        for _ in range(4)
     ]
     for t in flooders:
         t.start()
     for t in flooders:
         t.join()
-    cpu = (cpu_seconds(daemon.pid) - cpu_before) / (time.monotonic() - started)
+    cpu_spent = cpu_seconds(daemon.pid) - cpu_before
+    cpu = cpu_spent / (time.monotonic() - started)
     watch.stop()
     after = settle(daemon.pid, *base)
     result = legit.stop()
     report(
         "window updates", base, watch, after, result,
-        frames=sent[0], goaways=len(goaways), daemon_cpu=f"{cpu:.0%}",
+        frames=sent[0], connections=connections[0], goaways=len(goaways), daemon_cpu=f"{cpu:.0%}",
     )  # fmt: skip
     # (Most of what the flooders "sent" never reached the daemon: it sat in the kernel's buffers when
     # the daemon closed the connection, its budget spent. Some GOAWAYs are lost to the reset that a
     # close with unread input makes.)
     assert goaways and set(goaways) == {ENHANCE_YOUR_CALM}
-    assert cpu < 0.8  # before issue 33: 99.6 %
+    # What the budget bounds is the work one connection can get out of the slow path before its GOAWAY
+    # (the flooders then reconnect, which is a connection flood: its CPU grows with how fast this machine
+    # lets them reconnect, so the daemon's CPU share is reported, not judged). Before issue 33 a flooder
+    # kept its one connection for the whole run: about 1.5 s of the daemon's CPU each.
+    assert cpu_spent / connections[0] < 0.1, (cpu_spent, connections[0])
     check(base, watch, after, result)
 
 
