@@ -63,6 +63,9 @@ class Holding:
         # "held" is never refused (a wait ends on the clock before the loop wakes to lift the fence).
         self.open = False
         self.kept_through = 0  # changed_ms of the restart or failover this lease was kept through
+        # Subscribers the first renew may find on the id's holder channel: ours, and any a dead holder left
+        # (stale: see scripts.py); more is a second claimant. 0 once the first renew succeeded: no check.
+        self.expect_subscribers = 1 + acquired.stale
 
     @property
     def worker_id(self) -> int:
