@@ -112,7 +112,7 @@ class LeaseKeeper:
         self.clock_watch = RedisClockWatch(max(0.25, skew_warn))
         # The holder's subscription to its id's channel: what a rollback of Redis's data leaves (presence.py).
         self.presence = Presence(target, lambda: self.link.finder, self._presence_dropped)
-        self._wake = asyncio.Event()  # the renew loop: renew now (the subscription came back)
+        self._nap: asyncio.Future[None] | None = None  # the renew loop's sleep (cut short: renew now)
         self.holding: Holding | None = None
         self.epoch = ""  # the pool identity we leased under ("" before the first acquire)
         self.generator: Generator | None = None
@@ -328,7 +328,8 @@ class LeaseKeeper:
         data meanwhile is found at once."""
         if self.holding is not None and not self._stopping:
             self.holding.next_renew = time.monotonic()
-            self._wake.set()
+            if self._nap is not None:
+                self._nap.cancel()
 
     async def _check_identity(self) -> None:
         """After a reconnect: has Redis restarted or failed over? (The pool opens its doubt window at
@@ -525,9 +526,12 @@ class LeaseKeeper:
             wake = holding.next_renew
             if now < holding.serve_after:
                 wake = min(wake, holding.serve_after)
-            self._wake.clear()
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), max(0.0, wake - now))
+            self._nap = nap = asyncio.ensure_future(asyncio.sleep(max(0.0, wake - now)))
+            try:
+                await asyncio.wait({nap})
+            finally:
+                nap.cancel()
+                self._nap = None
             if time.monotonic() < holding.next_renew or self._stopping:
                 continue
             sent = time.monotonic()
