@@ -276,7 +276,7 @@ class LeaseKeeper:
             args += [holding.version_seen, self.min_id, self.max_id, new_epoch(), marks, good, local_ms]
             args += [self.presence.channel(lease.worker_id), holding.expect_subscribers]
             try:
-                await self._present(lease.worker_id)
+                await self.presence.ensure(lease.worker_id, self.link)
                 result, problem, new_connection = await self.link.run(RENEW_LUA, args)
                 break
             except Exception as exc:
@@ -308,20 +308,6 @@ class LeaseKeeper:
         if new_connection:
             await self._check_identity()
         return outcome
-
-    async def _present(self, worker_id: int) -> None:
-        """Subscribed to the id's holder channel on the node the renew goes to, before it goes (a new lease's
-        first renew, after the subscription dropped, after a failover): raises NotSent when that cannot
-        be done, as the renew must then not be sent."""
-        try:
-            await self.link.connected()
-            held = self.presence.holds(worker_id, self.link.address)
-            if not held and await self.presence.hold(worker_id) != self.link.address:
-                raise ConnectionError("the holder channel's node is not the lease's: the master changed")
-        except NotSent:
-            raise
-        except Exception as exc:
-            raise NotSent(f"holder channel subscription: {describe(exc)}") from exc
 
     def _presence_dropped(self) -> None:
         """The subscription dropped: renew at once (subscribing again first), so that a rollback of Redis's

@@ -27,8 +27,10 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
+from .link import NotSent, RedisLink
 from .nodes import NodeFinder
 from .target import RedisTarget, holder_prefix
+from .timings import describe
 
 log = logging.getLogger("katsubushi_py")
 
@@ -57,6 +59,20 @@ class Presence:
     def holds(self, worker_id: int, address: str) -> bool:
         """Subscribed to ``worker_id``'s channel on ``address`` (the node the lease scripts run on)."""
         return self._pubsub is not None and self.worker_id == worker_id and self.address == address
+
+    async def ensure(self, worker_id: int, link: RedisLink) -> None:
+        """Subscribed to ``worker_id``'s channel on the node ``link``'s renew goes to, before it goes (a
+        new lease's first renew, after the subscription dropped, after a failover). Raises NotSent when
+        that cannot be done: the renew must then not be sent."""
+        try:
+            await link.connected()
+            held = self.holds(worker_id, link.address)
+            if not held and await self.hold(worker_id) != link.address:
+                raise ConnectionError("the holder channel's node is not the lease's: the master changed")
+        except NotSent:
+            raise
+        except Exception as exc:
+            raise NotSent(f"holder channel subscription: {describe(exc)}") from exc
 
     async def hold(self, worker_id: int) -> str:
         """Subscribe to ``worker_id``'s channel (dropping any other subscription first) and return once
