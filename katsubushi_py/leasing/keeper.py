@@ -239,6 +239,7 @@ class LeaseKeeper:
                     # ends, and at the latest after a renew interval.
                     now_ms, next_ms = acquired.now_ms, acquired.next_free_ms
                     until_free = (next_ms - now_ms) / 1000 + 0.01 if next_ms > now_ms else self.timings.renew
+                    await self.presence.prepare()  # the holder channel's connection, ahead of a handover
                     await self.link.wait_for_release(min(self.timings.renew, until_free) * random.uniform(1.0, 1.1))
                     continue
                 if problem:
@@ -398,7 +399,7 @@ class LeaseKeeper:
                 describe(exc),
             )
         finally:
-            await self.presence.release()
+            await self.presence.release(everything=True)
             await self.link.close()
 
     # -- taking an id ----------------------------------------------------------------------------

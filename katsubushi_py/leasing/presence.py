@@ -52,6 +52,8 @@ class Presence:
         self._client: Any = None
         self._pubsub: Any = None
         self._watch: asyncio.Task[None] | None = None
+        # A connection made ahead (prepare), for the next hold: (client, pubsub, node address).
+        self._ready: tuple[Any, Any, str] | None = None
 
     def channel(self, worker_id: int) -> str:
         return f"{self.prefix}{worker_id}"
@@ -74,10 +76,50 @@ class Presence:
         except Exception as exc:
             raise NotSent(f"holder channel subscription: {describe(exc)}") from exc
 
+    async def prepare(self) -> None:
+        """Connect ahead, while waiting for a free id, so that a handover pays one round trip (the
+        subscription) instead of a new connection too; and learn whether the node has sharded pub/sub.
+        Best effort: the next hold connects anew if this fails or the node changed meanwhile."""
+        if self._ready is not None:
+            return
+        try:
+            client, address = await self.finder().connect()
+        except Exception:
+            return
+        pubsub = client.pubsub()
+        try:
+            if hasattr(pubsub, "connect"):
+                await pubsub.connect()
+            if self.sharded and hasattr(pubsub, "ssubscribe"):
+                try:
+                    await client.execute_command("PUBSUB", "SHARDNUMSUB")
+                except Exception as exc:
+                    if "unknown" in str(exc).lower():
+                        self.sharded = False  # Redis 6: no sharded pub/sub
+        except Exception:
+            await self._discard(client, pubsub)
+            return
+        self._ready = (client, pubsub, address)
+
+    @staticmethod
+    async def _discard(client: Any, pubsub: Any) -> None:
+        for closing in (pubsub, client):
+            with contextlib.suppress(Exception):
+                await closing.aclose()
+
     async def hold(self, worker_id: int) -> str:
         """Subscribe to ``worker_id``'s channel (dropping any other subscription first) and return once
         Redis confirmed it, with the node's address. Raises when that cannot be done."""
         await self.release()
+        ready, self._ready = self._ready, None
+        if ready is not None:
+            client, pubsub, address = ready
+            try:
+                pubsub = await self._subscribe(client, self.channel(worker_id), pubsub)
+            except Exception:
+                await self._discard(client, pubsub)  # gone stale while we waited: connect anew
+            else:
+                return self._held(worker_id, client, pubsub, address)
         client, address = await self.finder().connect()
         try:
             pubsub = await self._subscribe(client, self.channel(worker_id))
@@ -85,13 +127,16 @@ class Presence:
             with contextlib.suppress(Exception):
                 await client.aclose()
             raise
+        return self._held(worker_id, client, pubsub, address)
+
+    def _held(self, worker_id: int, client: Any, pubsub: Any, address: str) -> str:
         self._client, self._pubsub = client, pubsub
         self.worker_id, self.address = worker_id, address
         self._watch = asyncio.ensure_future(self._watch_drop(pubsub))
         return address
 
-    async def _subscribe(self, client: Any, channel: str) -> Any:
-        pubsub = client.pubsub()
+    async def _subscribe(self, client: Any, channel: str, pubsub: Any = None) -> Any:
+        pubsub = pubsub if pubsub is not None else client.pubsub()
         if self.sharded and hasattr(pubsub, "ssubscribe"):
             try:
                 await pubsub.ssubscribe(channel)
@@ -144,10 +189,14 @@ class Presence:
                 with contextlib.suppress(Exception):
                     await closing.aclose()
 
-    async def release(self) -> None:
-        """Unsubscribe (before the release script runs, so the next holder's acquire does not see us)."""
+    async def release(self, everything: bool = False) -> None:
+        """Unsubscribe (before the release script runs, so the next holder's acquire does not see us);
+        ``everything``: the connection made ahead too (the daemon stops)."""
         watch, self._watch = self._watch, None
         await self._close()
+        if everything and self._ready is not None:
+            ready, self._ready = self._ready, None
+            await self._discard(ready[0], ready[1])
         if watch is not None and watch is not asyncio.current_task():
             watch.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
