@@ -92,7 +92,7 @@ def test_a_seed_replays_exactly() -> None:
     [
         # A daemon that ignores its lease deadline: paused or cut off past its lease, it issues beside the
         # daemon that took its id over.
-        ("no-fence", 27, 1600),
+        ("no-fence", 2, 800),
         # The bug this simulation found: the start-up clock check read the wall clock as it is now, so a
         # daemon started on a host whose clock NTP stepped right after its start issued IDs seconds off.
         # Fixed in LeaseKeeper.check_clock. Since the pool's high-water mark, a lost record no longer

@@ -517,8 +517,9 @@ class LeaseKeeper:
             try:
                 await asyncio.wait({nap})
             finally:
-                nap.cancel()
                 self._nap = None
+                with contextlib.suppress(RuntimeError):  # the loop closed under a coroutine never finished
+                    nap.cancel()
             if time.monotonic() < holding.next_renew or self._stopping:
                 continue
             sent = time.monotonic()

@@ -295,6 +295,9 @@ local function held_live(member)
   if n == 0 then return false, 0 end
   local field = 'presence_until:' .. member
   local seen = tonumber(redis.call('HGET', KEYS[6], field) or '0')
+  -- A loss already seen (the pool lost and made anew): its barrier holds every id until each live
+  -- holder has found it at a renew and stopped. Left alone, nothing more to open or count.
+  if seen == 0 and tonumber(pool[2]) > now then return true, n end
   if seen == 0 then
     redis.call('HSET', KEYS[6], field, open_doubt(wait, mark_cover))
     redis.call('HINCRBY', KEYS[5], 'data_loss_events', 1)
