@@ -24,11 +24,12 @@ import re
 import shutil
 import subprocess
 import time
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from conftest import Daemon, DaemonFactory
+from conftest import Daemon, DaemonFactory, free_port
 from id_recorder import Recorder
 from lease_helpers import init_pool, run_tool, stats, wait_serving, wait_until
 from redis_servers import RedisServer, redis_binary, start_redis
@@ -55,9 +56,9 @@ def rdb_redis(tmp_path: Path) -> Iterator[RedisServer]:
         server.stop()
 
 
-def start(daemons: DaemonFactory, url: str, wait: bool = True) -> Daemon:
+def start(daemons: DaemonFactory, url: str, *more: str, wait: bool = True) -> Daemon:
     """A leasing daemon with the default lease timings on ids 1..3."""
-    args = ("--redis", f"{url}?ns=t", "--min-worker-id", "1", "--max-worker-id", "3")
+    args = ("--redis", f"{url}?ns=t", "--min-worker-id", "1", "--max-worker-id", "3", *more)
     d = daemons.start(*args, worker_id=None, wait=wait)  # type: ignore[arg-type]
     if wait:
         wait_serving(d)
@@ -105,7 +106,8 @@ def run_rollback(daemons: DaemonFactory, server: RedisServer, how: str, joiner: 
     client = server.client()
     dumped = {f"{{t}}:{k}": client.dump(f"{{t}}:{k}") for k in KEYS}
     old = server.snapshot("old.rdb")
-    b = start(daemons, server.url)
+    http_port = free_port()  # B's metrics
+    b = start(daemons, server.url, "--http-port", str(http_port))
     c = start(daemons, server.url)
     assert (stats(b)["worker_id"], stats(c)["worker_id"]) == ("2", "3")
     recorder = Recorder([a, b, c]).start()
@@ -136,6 +138,11 @@ def run_rollback(daemons: DaemonFactory, server: RedisServer, how: str, joiner: 
     lost = sum(int(stats(d)["lease_lost_writes"]) for d in everyone)
     assert lost >= 1
     assert pool_counters(server)["lost_writes_seen"] >= 1
+    # B found its own acquire undone (its owner entry gone under a live lease): logged and counted.
+    assert "DATA LOSS" in b.stderr() and int(stats(b)["lease_lost_writes"]) >= 1
+    metrics = urllib.request.urlopen(f"http://127.0.0.1:{http_port}/metrics", timeout=5).read().decode()
+    found = re.search(r"^katsubushi_lease_lost_writes_total (\S+)$", metrics, re.M)
+    assert found is not None and float(found.group(1)) >= 1, metrics
     # Nobody but A (whose record predates the snapshot) served under a lost id after its holder found
     # the loss: the doubt window bars every new lease, the holder's own next one included.
     for d in range(1, len(everyone)):
