@@ -160,3 +160,7 @@ def test_reload_of_an_older_rdb_with_a_daemon_joining(daemons: DaemonFactory, rd
 
 def test_flushall_and_restore_with_a_daemon_joining(daemons: DaemonFactory, rdb_redis: RedisServer) -> None:
     run_rollback(daemons, rdb_redis, "restore", joiner=True)
+
+
+def test_flushall_and_restore_with_holders_only(daemons: DaemonFactory, rdb_redis: RedisServer) -> None:
+    run_rollback(daemons, rdb_redis, "restore", joiner=False)
