@@ -43,6 +43,7 @@ class Faults:
         "slow_replica",
         "redis_pause",
         "damage",
+        "rollback",
         "net",
         "lost_replies",
         "reboot",
@@ -88,6 +89,7 @@ class Faults:
             "slow_replica": 0.5 if any(n.role == "replica" for n in redis.nodes) else 0.0,
             "redis_pause": 1.0 if master is not None and master.up else 0.0,
             "damage": 1.5 if master is not None and master.up else 0.0,
+            "rollback": 1.0 if topology else 0.0,
             "net": 2.0,
             "lost_replies": 1.0,
         }
@@ -433,6 +435,30 @@ class Faults:
             client.hset(released, str(worker), 1)
         redis._written(node)
         self._event("damage", f"worker id {worker}: {kind}")
+
+    def rollback(self) -> None:
+        """Redis's data rolled back in place (issue 32): the master's data set replaced by an older one
+        without a restart (``DEBUG RELOAD`` of an older RDB, ``FLUSHALL`` + ``RESTORE`` of a backup), so its
+        run_id and replid stay, and its clients' connections and subscriptions survive. Replicated (a
+        RESTORE is), as the master's next write. Held, unless --known-gaps, when it would undo a clean
+        release made less than 2 x the clock skew max ago: the next holder then starts above the older
+        mark only, and uniqueness rests on its clock being behind the releaser's by less than the time
+        since the release (docs/leasing.md); and, as a restart that loses data is, while a clock is off."""
+        redis, rng, ttl = self.sim.redis, self.rng, self.sim.config.ttl
+        node = redis.master
+        if node is None or not node.up or node.paused_until > redis.loop.now:
+            return
+        age = rng.choice((rng.uniform(0.01, 1.0), rng.uniform(1.0, ttl), rng.uniform(ttl, 3 * ttl)))
+        now = redis.loop.now
+        recent = now - redis.last_clean_release < 2 * self.sim.config.skew_max
+        if not self.sim.known_gaps and recent and redis.last_clean_release > now - age:
+            self.sim.stats["rollback held: it would undo a release made within 2 x skew"] += 1
+            return
+        if self.sim.loss_held("rollback"):
+            return
+        redis.write(node, redis.state_at(node, now - age))
+        redis._written(node)
+        self._event("rollback", f"{node.name} to its data {age:.3f}s ago (run_id and replid unchanged)")
 
     # -- the network ---------------------------------------------------------------------------------
     def net(self) -> None:

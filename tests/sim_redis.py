@@ -135,6 +135,7 @@ class RedisWorld:
         self.lost_request_rate = 0.0
         self.slow_rate = 0.0  # a reply delayed past the socket timeout
         self.script_errors: list[str] = []
+        self.last_clean_release = -1e9  # true time of the last clean release (the rollback fault's condition)
         self.writes = 0
         self.scripts = 0
 
@@ -305,13 +306,20 @@ class RedisWorld:
         now = self.redis_time(node)
         seconds = math.floor(now)
         server, replication = self.backend.info(node.run_id, node.replid, len(node.connected_replicas()), node.replid2)
-        env = {"s": seconds, "us": int((now - seconds) * 1e6), "server": server, "replication": replication}
+        env: dict[str, Any] = {"s": seconds, "us": int((now - seconds) * 1e6), "server": server}
+        env["replication"] = replication
+        # The holder channels' subscribers on this node (what PUBSUB NUMSUB counts): stale ones included.
+        for sub in self.subscriptions:
+            if sub.node is node and not sub.broken:
+                key = "sub:" + sub.channel.decode()
+                env[key] = env.get(key, 0) + 1
         pipe = self.backend.client(node.db).pipeline(transaction=False)
+        pipe.delete(ENV_KEY)
         pipe.hset(ENV_KEY, mapping=env)
         pipe.evalsha(self.backend.sha[text], len(keys), *keys, *args)
         replies = pipe.execute(raise_on_error=False)
         self.scripts += 1
-        result = replies[1]
+        result = replies[2]
         if node.role == "master" and "replica_count(" in text:  # a lease write's count, or REPLICAS_LUA
             node.counted.update(r.name for r in node.connected_replicas())
         if isinstance(result, Exception):
@@ -411,6 +419,7 @@ class RedisWorld:
         conn.last_write = node.index
         if text == lease_scripts.RELEASE_LUA and args[4] == "clean" and int(result[0]) == 1:
             self.publish(node, str(args[9]).encode(), str(args[1]).encode())
+            self.last_clean_release = self.loop.now
         return result
 
     # -- release announcements ---------------------------------------------------------------------

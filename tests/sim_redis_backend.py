@@ -3,13 +3,15 @@ clock and identity, loaded into a real redis-server.
 
 Every lease script the daemons send runs, as written in ``katsubushi_py/leasing/scripts.py``, in a real
 redis-server (one database per simulated node), so every record check, quarantine and doubt window is
-Redis's own Lua and Redis's own data structures. The scripts read their environment in exactly three
-places, ``redis.call('TIME')``, ``redis.call('INFO', 'server')`` and ``redis.call('INFO',
-'replication')``; :func:`simulated` replaces those three calls (and nothing else:
-tests/test_sim_leasing.py checks it) by reads of a hash the simulator writes before each script, holding
-the node's simulated clock and the backend's real INFO text with the node's simulated ``run_id``,
-``master_replid``, ``master_replid2`` (and ``second_repl_offset``) and ``connected_slaves``. The rest
-of each script is byte for byte the production one.
+Redis's own Lua and Redis's own data structures. The scripts read their environment in exactly five
+places, ``redis.call('TIME')``, ``redis.call('INFO', 'server')``, ``redis.call('INFO',
+'replication')`` and the two counts of a holder channel's subscribers (``PUBSUB NUMSUB`` and
+``SHARDNUMSUB``); :func:`simulated` replaces those calls (and nothing else: tests/test_sim_leasing.py
+checks it) by reads of a hash the simulator writes before each script, holding the node's simulated
+clock, the backend's real INFO text with the node's simulated ``run_id``, ``master_replid``,
+``master_replid2`` (and ``second_repl_offset``) and ``connected_slaves``, and the simulated clients'
+subscriptions on that node (``sub:<channel>``; the simulated clients subscribe the classic way, so the
+sharded count is 0). The rest of each script is byte for byte the production one.
 
 A module of its own because it is the one part of the simulated Redis that is not a model: what it
 rewrites is what tests/test_sim_leasing.py checks, and it needs neither the virtual loop nor the world.
@@ -41,6 +43,8 @@ SUBSTITUTIONS = (
     ("redis.call('TIME')", f"redis.call('HMGET', '{ENV_KEY}', 's', 'us')"),
     ("redis.call('INFO', 'server')", f"redis.call('HGET', '{ENV_KEY}', 'server')"),
     ("redis.call('INFO', 'replication')", f"redis.call('HGET', '{ENV_KEY}', 'replication')"),
+    ("redis.call('PUBSUB', 'NUMSUB', channel)[2]", f"(redis.call('HGET', '{ENV_KEY}', 'sub:' .. channel) or 0)"),
+    ("pcall(redis.call, 'PUBSUB', 'SHARDNUMSUB', channel)", "false, nil"),
 )
 
 
@@ -49,7 +53,7 @@ def simulated(script: str) -> str:
     out = script
     for real, sim in SUBSTITUTIONS:
         out = out.replace(real, sim)
-    leftover = re.findall(r"redis\.call\('(TIME|INFO)'", out)
+    leftover = re.findall(r"redis\.call\('(TIME|INFO|PUBSUB)'|redis\.call, 'PUBSUB'", out)
     if leftover:
         raise AssertionError(f"the script reads {leftover} in a way the simulation does not replace")
     return out

@@ -131,14 +131,18 @@ class _SimPubSub:
             await client.connect()
         assert client.conn is not None
         self.sub = Subscription(client.node, client.conn.generation, channel.encode())
+        # Redis's confirmation, which the holder channel's subscriber waits for (leasing/presence.py).
+        self.sub.queue.append({"type": "subscribe", "pattern": None, "channel": channel.encode(), "data": 1})
         client.world.subscriptions.append(self.sub)
 
     async def get_message(self, ignore_subscribe_messages: bool = True, timeout: float = 0.0) -> Any:
         sub = self.sub
         if sub is None or sub.broken:
             raise RedisConnectionError("Connection closed by server.")
-        if sub.queue:
-            return sub.queue.pop(0)
+        while sub.queue:
+            message = sub.queue.pop(0)
+            if not (ignore_subscribe_messages and message["type"] == "subscribe"):
+                return message
         loop = self.client.world.loop
         fut: asyncio.Future[Any] = loop.create_future()
         sub.waiter = fut

@@ -92,15 +92,16 @@ def test_a_seed_replays_exactly() -> None:
     [
         # A daemon that ignores its lease deadline: paused or cut off past its lease, it issues beside the
         # daemon that took its id over.
-        ("no-fence", 27, 1600),
+        ("no-fence", 2, 800),
         # The bug this simulation found: the start-up clock check read the wall clock as it is now, so a
         # daemon started on a host whose clock NTP stepped right after its start issued IDs seconds off.
         # Fixed in LeaseKeeper.check_clock. Since the pool's high-water mark, a lost record no longer
-        # shows it (seed 1 found it that way); here h5 reboots 18.9 s ahead, its daemon starts before NTP
-        # puts the clock right, passes the old check, and its IDs run ahead of the daemon that holds the
-        # worker id after it. (Seeds move with the scripts: since every lease write counts the replicas,
-        # seed 41's history is another one.)
-        ("wall-clock-check", 48, 1660),
+        # shows it (seed 1 found it that way); here h0's daemon starts with its clock 16 s ahead, passes
+        # the old check, and its IDs run ahead of the daemon that holds the worker id after it. (Seeds
+        # move with the scripts and the faults: since every lease write counts the replicas, seed 41's
+        # history is another one; since the rollback fault and presence (issue 32), seed 48's, and
+        # no-fence's seed 27.)
+        ("wall-clock-check", 236, 2940),
     ],
 )
 def test_a_planted_bug_is_found_and_its_seed_replays(bug: str, seed: int, steps: int) -> None:
@@ -171,11 +172,12 @@ async def test_the_clock_check_judges_the_clock_the_ids_carry() -> None:
 @pytest.mark.parametrize(
     ("seed", "steps", "sign"),
     [
-        # Across a loss of Redis's data (the pool flushed while its holder was cut off, then killed),
-        # Redis's clock 25 s back and a host synced to it: the daemon that sees the loss bounds what the
-        # lost holder issued with two clocks both off, and issues below its IDs (the clock condition).
-        # (Seed 1015, the record-damage variant, passes since the pool's high-water mark.)
-        (1020, 4761, "clock -25."),
+        # Two masters with a replica no lease write had counted (condition 3's residual case: a replica's
+        # link cut and restored, then a partition before a lease write on the master saw it). Until issue
+        # 32 the clock condition's seed was here (1020, 4761: the pool flushed while its holder was cut
+        # off, Redis's clock 25 s back, a host synced to it); the rollback fault moved every history, and
+        # a search of seeds 1000..1399 (5,000 steps) with --known-gaps reached only condition 3.
+        (1045, 4485, "OVERLAP"),
     ],
 )
 def test_outside_the_conditions_the_documented_gaps_are_reached(seed: int, steps: int, sign: str) -> None:
@@ -195,12 +197,13 @@ def test_two_masters_soon_after_a_replica_joined_hold() -> None:
     let the old master confirm leases alone. Every lease write now counts the replicas in its own script,
     and the simulation partitions whenever every replica has been seen by one (no longer a minute later).
     The planted old link (``replicas-once-a-minute``) with two masters at any time reproduces the finding
-    of seed 3010 exactly; the residual case it was (no lease write on the master in the 30 ms between the
-    join and the cut) stays outside the conditions (docs/guarantees.md, condition 3)."""
+    (seed 3010 until the rollback fault of issue 32 moved the histories; 3271 now); the residual case it
+    was (no lease write on the master between the join and the cut) stays outside the conditions
+    (docs/guarantees.md, condition 3)."""
     results = run_seeds([230003, 230004, 230015], 3000)
     assert [r.error for r in results] == [None, None, None], [r.replay() for r in results if r.error]
     assert sum(r.stats.get("two_masters_soon_after_a_replica_joined", 0) for r in results) >= 5
     with planted_bug("replicas-once-a-minute"):
-        (old,) = run_seeds([3010], 1431, known_gaps=True)
+        (old,) = run_seeds([3271], 2146, known_gaps=True)
     assert old.error is not None and "OVERLAP" in old.error, old.error
     assert old.stats.get("two_masters_with_an_uncounted_replica") == 1

@@ -149,6 +149,11 @@ def _lease_metrics(fields: dict[str, object]) -> Iterator[Metric]:
         "Losses of lease data this daemon saw in Redis (a pool or record forgotten or damaged)",
         value=_number(fields.get("lease_data_loss_events")),
     )
+    yield CounterMetricFamily(
+        "katsubushi_lease_lost_writes",
+        "Of those, proof that Redis lost lease writes under live holders (a rollback of its data in place)",
+        value=_number(fields.get("lease_lost_writes")),
+    )
     yield GaugeMetricFamily(
         "katsubushi_lease_wait_seconds",
         "How long the daemon has been waiting for a worker id lease (0 while it holds one)",

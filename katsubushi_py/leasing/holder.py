@@ -68,6 +68,9 @@ class Holding:
         # not kept through that restart: it came after), then one it was kept through. A script that
         # extends that window (a record found rewritten) re-stamps changed_ms: the same event.
         self.window_until_ms = acquired.doubt_until_ms if acquired.doubt_until_ms > acquired.now_ms else 0
+        # Subscribers the first renew may find on the id's holder channel: ours, and any a dead holder left
+        # (stale: see scripts.py); more is a second claimant. 0 once the first renew succeeded: no check.
+        self.expect_subscribers = 1 + acquired.stale
 
     @property
     def worker_id(self) -> int:

@@ -52,6 +52,7 @@ from .holder import NOT_CONFIRMED, Holding, RedisClockWatch
 from .link import NotSent, RedisLink, refusal, trouble
 from .outages import RenewWatch
 from .pool import init_pool, searched_range
+from .presence import Presence
 from .recovery import LeaseStats, Reporter
 from .replies import Acquired, Lease, Renewed, RenewOutcome, parse_acquire, parse_identity, parse_renew
 from .scripts import ACQUIRE_LUA, IDENTITY_LUA, RELEASE_LUA, RENEW_LUA
@@ -111,6 +112,9 @@ class LeaseKeeper:
         self.settings = SettingsWatch(target, self.link, timings.ttl)  # min-replicas-to-write, eviction
         self.report = Reporter(self.stats, target.display, self.recovery_wait, timings.unreleased_wait(skew_max))
         self.clock_watch = RedisClockWatch(max(0.25, skew_warn))
+        # The holder's subscription to its id's channel: what a rollback of Redis's data leaves (presence.py).
+        self.presence = Presence(target, lambda: self.link.finder, self._presence_dropped)
+        self._nap: asyncio.Future[None] | None = None  # the renew loop's sleep (cut short: renew now)
         self.holding: Holding | None = None
         self.epoch = ""  # the pool identity we leased under ("" before the first acquire)
         self.generator: Generator | None = None
@@ -206,7 +210,8 @@ class LeaseKeeper:
                 args = [token, ttl_ms, self.min_id, self.max_id, self.epoch, wait_ms, skew_ms, new_epoch()]
                 sent = time.monotonic()
                 try:
-                    result, problem, _ = await self.link.run(ACQUIRE_LUA, [*args, self._local_ms(), unreleased_ms])
+                    more = [self._local_ms(), unreleased_ms, self.presence.prefix]
+                    result, problem, _ = await self.link.run(ACQUIRE_LUA, [*args, *more])
                 except Exception as exc:  # Redis down, slow or unreachable: keep trying
                     await self.link.drop()
                     if self._stopping:
@@ -238,6 +243,7 @@ class LeaseKeeper:
                     # ends, and at the latest after a renew interval.
                     now_ms, next_ms = acquired.now_ms, acquired.next_free_ms
                     until_free = (next_ms - now_ms) / 1000 + 0.01 if next_ms > now_ms else self.timings.renew
+                    await self.presence.prepare()  # the holder channel's connection, ahead of a handover
                     await self.link.wait_for_release(min(self.timings.renew, until_free) * random.uniform(1.0, 1.1))
                     continue
                 if problem:
@@ -274,7 +280,9 @@ class LeaseKeeper:
             marks, good = holding.vouch(time.monotonic())
             args = [lease.token, lease.worker_id, ttl_ms, high_water_ms, self.epoch, wait_ms, skew_ms]
             args += [holding.version_seen, self.min_id, self.max_id, new_epoch(), marks, good, local_ms]
+            args += [self.presence.channel(lease.worker_id), holding.expect_subscribers]
             try:
+                await self.presence.ensure(lease.worker_id, self.link)
                 result, problem, new_connection = await self.link.run(RENEW_LUA, args)
                 break
             except Exception as exc:
@@ -301,10 +309,19 @@ class LeaseKeeper:
                 )
             return None
         holding.version_seen = max(holding.version_seen, outcome.version)
+        holding.expect_subscribers = 0  # the first renew counted the claimants: no other can come
         self._occupancy(outcome.free, outcome.total)
         if new_connection:
             await self._check_identity()
         return outcome
+
+    def _presence_dropped(self) -> None:
+        """The subscription dropped: renew at once (subscribing again first), so that a rollback of Redis's
+        data meanwhile is found at once."""
+        if self.holding is not None and not self._stopping:
+            self.holding.next_renew = time.monotonic()
+            if self._nap is not None:
+                self._nap.cancel()
 
     async def _check_identity(self) -> None:
         """After a reconnect: has Redis restarted or failed over? (The pool opens its doubt window at
@@ -352,13 +369,18 @@ class LeaseKeeper:
             self.report.pool_mark_ahead(ahead, self.skew_max)
 
     # -- release ---------------------------------------------------------------------------------
-    async def _release(self, lease: Lease, last_ms: int, quarantine: bool = False) -> bool:
+    async def _release(self, lease: Lease, last_ms: int, quarantine: bool = False, good: int = 0) -> bool:
         """``last_ms``: the latest millisecond issued or inherited under the lease (replaces the mark);
-        -1 when the lease was never served under (the stored mark stays)."""
+        -1 when the lease was never served under (the stored mark stays). ``good``: 1 when the lease
+        never lapsed (then an id not ours is lost writes). Unsubscribes from the holder channel first, so
+        that the next holder's acquire does not take this holder for a live one."""
+        await self.presence.release()
         ttl_ms, wait_ms, skew_ms = self._ms()
         mode = "quarantine" if quarantine else "clean"
         args = [lease.token, lease.worker_id, last_ms, self.epoch, mode, wait_ms, skew_ms, ttl_ms, self._local_ms()]
-        result, _, _ = await self.link.run(RELEASE_LUA, [*args, self.link.channel], durable=False)
+        result, _, _ = await self.link.run(RELEASE_LUA, [*args, self.link.channel, good], durable=False)
+        if int(result[0]) != 1 and len(result) > 2 and int(result[2]) == 1:
+            self.report.lost_at_release(lease.worker_id)
         return int(result[0]) == 1
 
     async def release(self, last_ms: int) -> None:
@@ -366,11 +388,12 @@ class LeaseKeeper:
         ``last_issued_ms`` (which includes what it inherited at the handover), 0 if none."""
         self._stopping = True
         lease = self.lease
+        good = self.holding.vouch(time.monotonic())[1] if self.holding is not None else 0
         self.holding = None
         try:
             if lease is None:
                 return
-            if await self._release(lease, last_ms):
+            if await self._release(lease, last_ms, good=good):
                 log.info("released worker id %d", lease.worker_id)
             else:
                 log.warning("worker id %d was no longer ours at release", lease.worker_id)
@@ -381,6 +404,7 @@ class LeaseKeeper:
                 describe(exc),
             )
         finally:
+            await self.presence.release(everything=True)
             await self.link.close()
 
     # -- taking an id ----------------------------------------------------------------------------
@@ -494,7 +518,13 @@ class LeaseKeeper:
             wake = holding.next_renew
             if now < holding.serve_after:
                 wake = min(wake, holding.serve_after)
-            await asyncio.sleep(max(0.0, wake - now))
+            self._nap = nap = asyncio.ensure_future(asyncio.sleep(max(0.0, wake - now)))
+            try:
+                await asyncio.wait({nap})
+            finally:
+                self._nap = None
+                with contextlib.suppress(RuntimeError):  # the loop closed under a coroutine never finished
+                    nap.cancel()
             if time.monotonic() < holding.next_renew or self._stopping:
                 continue
             sent = time.monotonic()
@@ -532,6 +562,7 @@ class LeaseKeeper:
         lapsed = self.holding.lapsed if self.holding is not None else False
         generator.retire_worker(WAITING)
         self.holding = None
+        await self.presence.release()
         self._wait("the previous one was lost", quiet=True)
         self.report.lost(old, outcome, lapsed)
         self.report.news(outcome)
@@ -573,6 +604,7 @@ class LeaseKeeper:
             ("lease_round_trips", stats.round_trips),
             ("worker_id_changes", stats.worker_id_changes),
             ("lease_data_loss_events", stats.data_loss_events),
+            ("lease_lost_writes", stats.lost_writes),
             ("lease_state_file_conflicts", stats.state_file_conflicts),
             ("lease_pool_ids", stats.pool_size),
             ("lease_pool_free", stats.pool_free),

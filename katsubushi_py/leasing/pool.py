@@ -151,6 +151,10 @@ def pool_stats(snapshot: dict[str, Any]) -> dict[str, Any]:
         "recovering_until_ms": barrier,
         "recovering_left_ms": max(0, barrier - now_ms),
         "data_loss_events": counters.get("data_loss_events", 0),
+        # Of those, proof of lease writes lost under live holders (issue 32: a rollback in place): an owner
+        # entry gone or taken over under a lease that never lapsed, a live holder's subscription on an id
+        # that looked free, two claimants at a first renew, a release of an id not ours.
+        "lost_writes_seen": counters.get("lost_writes_seen", 0),
         "quarantined_ids_total": counters.get("quarantined_ids", 0),
         "lease_ttl_left_ms_min": left[0] if left else None,
         "lease_ttl_left_ms_median": int(statistics.median(left)) if left else None,
@@ -183,10 +187,11 @@ def pool_stats(snapshot: dict[str, Any]) -> dict[str, Any]:
         "ids_expired_unreleased": sum(1 for row in ids if row["state"] == "expired"),
         # Why ids were quarantined: unreleased (never released; its holder may be alive), damaged (record
         # inconsistent), doubt (its holder could not vouch for it after a restart or failover), rewritten
-        # (not what its holder last wrote), vanished (owner entry gone), conflict (a local state file held).
+        # (not what its holder last wrote), vanished (owner entry gone), conflict (a local state file held),
+        # claimants (a second subscriber on the holder channel at a first renew).
         **{
             f"quarantined_{why}": counters.get(f"quarantined_{why}", 0)
-            for why in ("unreleased", "damaged", "doubt", "rewritten", "vanished", "conflict")
+            for why in ("unreleased", "damaged", "doubt", "rewritten", "vanished", "conflict", "claimants")
         },
         # Leases expired by Redis's clock left to their holder, whose mark was ahead of the acquirer's clock.
         "skipped_live_leases": counters.get("skipped_live_leases", 0),

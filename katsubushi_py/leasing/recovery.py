@@ -29,6 +29,10 @@ class LeaseStats:
     worker_id_changes: int = 0
     acquires: int = 0
     data_loss_events: int = 0  # losses this daemon saw: a pool or record that Redis forgot or that was edited
+    # Of those, proof that Redis lost lease writes while their holders were live (a rollback in place): an
+    # owner entry gone or taken over under a lease that never lapsed, a live holder's subscription on
+    # an id whose record says free, two claimants at a first renew, a release of an id not ours.
+    lost_writes: int = 0
     state_file_conflicts: int = 0  # leased ids whose state file another local daemon held
     pool_size: int = 0  # ids in the pool, and how many were held by nobody, at the last renew
     pool_free: int = 0
@@ -160,6 +164,19 @@ class Reporter:
                 self.stats.data_loss_events += 1
             wait = self.unreleased_wait if reason == "unreleased" else self.recovery_wait
             log.log(level, message.format(id=worker_id, where=self.where, wait=wait))
+        for worker_id in acquired.present:
+            self.stats.data_loss_events += 1
+            self.stats.lost_writes += 1
+            log.error(
+                "DATA LOSS: worker id %d looks free in %s, but a live holder is subscribed to its holder channel:"
+                " Redis lost that holder's writes (its data rolled back in place: a reload of an older RDB, a"
+                " FLUSHALL and RESTORE of a backup). Left it to its holder; no daemon serves a newly leased id until"
+                " %s (%.1fs: lease ttl + 2 x clock skew max)",
+                worker_id,
+                self.where,
+                _at(acquired.barrier_ms),
+                max(0.0, (acquired.barrier_ms - acquired.now_ms) / 1000),
+            )
         if acquired.skipped:
             self.stats.skipped_live_leases += len(acquired.skipped)
             log.warning(
@@ -185,7 +202,20 @@ class Reporter:
             )
             return
         if isinstance(outcome, TakenOver):
-            if outcome.doubt_until_ms > outcome.now_ms:
+            if outcome.lost:
+                self.stats.data_loss_events += 1
+                self.stats.lost_writes += 1
+                log.error(
+                    "DATA LOSS: worker id %d is leased to another daemon in %s although this daemon's lease never"
+                    " lapsed: Redis lost writes (its data rolled back in place, a restore, or a failover that lost"
+                    " them) and the id was leased again. Stopped issuing under it at once; no daemon serves a newly"
+                    " leased id until %s (%.1fs: lease ttl + 2 x clock skew max); leasing another",
+                    worker_id,
+                    self.where,
+                    _at(outcome.doubt_until_ms),
+                    max(0.0, (outcome.doubt_until_ms - outcome.now_ms) / 1000),
+                )
+            elif outcome.doubt_until_ms > outcome.now_ms:
                 self.stats.data_loss_events += 1
                 log.error(
                     "DATA LOSS: worker id %d is leased to another daemon in %s, which restarted or failed over"
@@ -217,6 +247,10 @@ class Reporter:
         else:
             assert isinstance(outcome, RecordLost)
             self.stats.quarantined_ids += 1
+            if outcome.what == "two claimants" or (
+                outcome.what == "owner entry vanished" and outcome.doubt_until_ms == outcome.until_ms
+            ):
+                self.stats.lost_writes += 1
             scope, until_ms = "that id", outcome.until_ms
             found = self._record_lost(worker_id, outcome)
         log.error(
@@ -237,6 +271,12 @@ class Reporter:
                 f"worker id {worker_id}'s lease record in {self.where} lost its owner entry (data loss, a hand edit,"
                 " or another daemon found the record damaged or never released, and quarantined it)"
             )
+        if outcome.what == "two claimants":
+            return (
+                f"worker id {worker_id} has two claimants in {self.where}: another daemon subscribed to its holder"
+                " channel took it too (Redis lost the writes of one of the two acquires: a rollback in place). This"
+                " daemon had not served under it yet"
+            )
         if outcome.what == "in doubt":
             return (
                 f"worker id {worker_id} is in doubt{restarted or ' after Redis restarted or failed over'}: this"
@@ -248,6 +288,18 @@ class Reporter:
             f" (found expiry {expiry},"
             f" mark {outcome.found_mark_ms}: Redis went back in time (a restart from an older snapshot, lost AOF"
             " writes, a failover to a replica that missed writes) or the record was edited)"
+        )
+
+    def lost_at_release(self, worker_id: int) -> None:
+        self.stats.data_loss_events += 1
+        self.stats.lost_writes += 1
+        log.error(
+            "DATA LOSS: worker id %d was no longer ours at release although this daemon's lease never lapsed:"
+            " Redis at %s lost lease writes (its data rolled back in place, a restore, or a failover that lost"
+            " them). No daemon serves a newly leased id for %.1fs (lease ttl + 2 x clock skew max)",
+            worker_id,
+            self.where,
+            self.recovery_wait,
         )
 
     def conflict(self, worker_id: int, why: str) -> None:

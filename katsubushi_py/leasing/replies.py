@@ -39,6 +39,9 @@ class Acquired(PoolNews):
     quarantined: list[tuple[int, str]] = field(default_factory=list)  # (id, reason) found on the way
     skipped: list[int] = field(default_factory=list)  # expired by Redis's clock, its holder's mark ahead
     next_free_ms: int = 0  # none free: when the next lease or quarantine ends (0: unknown)
+    # Ids that looked free with a live holder subscribed to their channel (lost writes: doubt opened).
+    present: list[int] = field(default_factory=list)
+    stale: int = 0  # subscribers on the taken id's channel left from a dead holder (its first renew allows them)
 
     @property
     def got(self) -> bool:
@@ -68,6 +71,8 @@ def parse_acquire(result: list[Any], token: str) -> Acquired:
         identity_before=text(result[12]),
         doubt_until_ms=int(result[13]),
         changed_ms=int(result[14]),
+        present=[int(x) for x in result[15]] if len(result) > 15 else [],
+        stale=int(result[16]) if len(result) > 16 else 0,
     )
 
 
@@ -84,6 +89,8 @@ class Renewed(PoolNews):
 @dataclass
 class TakenOver(PoolNews):
     """Another owner token holds the id (its lease had run out by Redis's clock, or a write was lost)."""
+
+    lost: bool = False  # its holder vouched for its lease (never lapsed): writes were lost, doubt opened
 
 
 @dataclass
@@ -119,7 +126,7 @@ def parse_renew(result: list[Any]) -> RenewOutcome:
             pool_mark_ms=int(result[11]) if len(result) > 11 else 0,
         )
     if code == -1:
-        return TakenOver(now_ms=now_ms, doubt_until_ms=int(result[2]))
+        return TakenOver(now_ms=now_ms, doubt_until_ms=int(result[2]), lost=len(result) > 3 and int(result[3]) == 1)
     if code == -3:
         return PoolLost(now_ms=now_ms, what=text(result[2]), barrier_ms=int(result[3]))
     return RecordLost(

@@ -173,6 +173,19 @@ local function backlog_created(stored, cur)
     string.rep('0', 40) and string.match(r, 'second_repl_offset:(%-?%d+)') == '-1'
 end
 
+-- How many connections are subscribed to a holder channel (``{ns}:holder:<id>``): every holder keeps
+-- one subscription to its id's channel from before its first renew until before its release. Only
+-- connection state survives a rollback of Redis's data in place (run_id and master_replid unchanged),
+-- so a subscriber on an id whose record says free is a live holder whose writes were lost. Sharded
+-- (SSUBSCRIBE, Redis >= 7: counted on the slot's node in a cluster) and classic subscribers both count;
+-- a Redis without SHARDNUMSUB has only the classic ones.
+local function subscribers(channel)
+  local n = tonumber(redis.call('PUBSUB', 'NUMSUB', channel)[2])
+  local ok, shard = pcall(redis.call, 'PUBSUB', 'SHARDNUMSUB', channel)
+  if ok and type(shard) == 'table' then n = n + tonumber(shard[2]) end
+  return n
+end
+
 -- Compare the Redis the pool was last stamped under with this one: 'same' (or the same master with a
 -- replication backlog created since: re-stamped, nothing was lost), 'new' (no stamp yet: a pool made
 -- before this format) or 'changed' (a restart or a failover since: a doubt window opens).
@@ -236,11 +249,16 @@ return hi - lo + 1
 )
 
 # KEYS: the six. ARGV: token ttl_ms min max known_epoch wait_ms skew_ms new_epoch caller_now_ms
-#       unreleased_wait_ms.
+#       unreleased_wait_ms holder_prefix.
+# holder_prefix: the holder channels' name before the id (``{ns}:holder:``; '' checks no presence).
 # Returns {id, now, expiry, mark, handover_ms, barrier_ms, created, epoch, quarantined, version, skipped,
-#          change, identity_before, doubt_until_ms, changed_ms}
+#          change, identity_before, doubt_until_ms, changed_ms, present, stale}
 #      or {-1, now, next_free_ms, 0, 0, barrier_ms, created, epoch, quarantined, 0, skipped, change,
-#          identity_before, doubt_until_ms, changed_ms} (none free).
+#          identity_before, doubt_until_ms, changed_ms, present, 0} (none free).
+# present: ids that looked free while a live holder was subscribed to their channel (lost writes: each
+# opened the doubt window, which bars and floors this very acquire too); stale: subscribers on the taken
+# id's channel that a doubt window opened for them has outlived (a dead host's subscription that Redis
+# has not dropped yet: see subscribers()), which the holder's first renew allows for.
 # mark: the record's handover mark as stored (the holder's expectation); handover_ms: start after it
 # (the mark, or the pool's recovery or doubt mark); barrier_ms: serve no sooner. created: 0 no, 1
 # created (no pool existed), 2 re-created after a loss the caller knew of. quarantined: "id:reason".
@@ -256,6 +274,7 @@ ACQUIRE_LUA = (
 local token, ttl, lo, hi = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4])
 local known, wait, skew = ARGV[5], tonumber(ARGV[6]), tonumber(ARGV[7])
 local caller, unreleased_wait = tonumber(ARGV[9]), tonumber(ARGV[10])
+local prefix = ARGV[11] or ''
 local mark_cover = cover(ttl, skew, caller)
 local created, change, before = 0, 'same', ''
 if redis.call('EXISTS', KEYS[6]) == 0 then
@@ -281,17 +300,47 @@ if doubt > now then barrier = math.max(barrier, doubt) end
 -- clock that is off) must not start below what that holder issued. Within the skew, time has passed it.
 floor = math.max(floor, tonumber(pool[5] or '0'))
 local created_ms, changed_ms = tonumber(pool[6] or '0'), tonumber(pool[7] or '0')
-local quarantined, skipped = {}, {}
-local later, later_mark = nil, nil
-local function take(member, mark)
+local quarantined, skipped, present = {}, {}, {}
+local later, later_mark, later_stale = nil, nil, 0
+-- Whether a live holder is subscribed to the channel of an id that looks free, and how many subscribe:
+-- the record was rolled back under a live holder (its acquire, or its renews, lost). First seen: open
+-- the doubt window (so this acquire and every one until its end is barred, and starts after its mark)
+-- and remember until when, in the pool. A subscription still there once that window has ended is no
+-- live holder whose writes were lost: such a holder renews within the window, finds its record gone
+-- and unsubscribes, or passes its deadline and stops (a dead host's subscription, which Redis drops
+-- only at its tcp-keepalive): the id may be taken, and the new holder's first renew allows for it.
+local function held_live(member)
+  if prefix == '' then return false, 0 end
+  local n = subscribers(prefix .. member)
+  if n == 0 then return false, 0 end
+  local field = 'presence_until:' .. member
+  local seen = tonumber(redis.call('HGET', KEYS[6], field) or '0')
+  -- A loss already seen (the pool lost and made anew): its barrier holds every id until each live
+  -- holder has found it at a renew and stopped. Left alone, nothing more to open or count.
+  if seen == 0 and tonumber(pool[2]) > now then return true, n end
+  if seen == 0 then
+    redis.call('HSET', KEYS[6], field, open_doubt(wait, mark_cover))
+    redis.call('HINCRBY', KEYS[5], 'data_loss_events', 1)
+    redis.call('HINCRBY', KEYS[5], 'lost_writes_seen', 1)
+    present[#present + 1] = tonumber(member)
+    return true, n
+  end
+  return now < seen, n
+end
+local function take(member, mark, stale)
   local expiry = now + ttl
   redis.call('ZADD', KEYS[1], expiry, member)
   redis.call('HSET', KEYS[2], member, token)
   redis.call('HDEL', KEYS[4], member)
+  redis.call('HDEL', KEYS[6], 'presence_until:' .. member)
   redis.call('HINCRBY', KEYS[5], 'acquire_success', 1)
   local version = redis.call('HINCRBY', KEYS[6], 'version', 1)
-  return {tonumber(member), now, expiry, mark, math.max(mark, floor), barrier, created, pool[1], quarantined, version,
-    skipped, change, before, doubt, changed_ms}
+  -- A doubt window this very acquire opened (a live holder's presence) bars and floors it too.
+  local cur = redis.call('HMGET', KEYS[6], 'doubt_until_ms', 'doubt_mark_ms')
+  local bar, low = barrier, math.max(floor, tonumber(cur[2] or '0'))
+  if tonumber(cur[1] or '0') > now then bar = math.max(bar, tonumber(cur[1])) end
+  return {tonumber(member), now, expiry, mark, math.max(mark, low), bar, created, pool[1], quarantined, version,
+    skipped, change, before, doubt, changed_ms, present, stale}
 end
 local offset = 0
 while true do
@@ -300,14 +349,18 @@ while true do
   for i = 1, #batch, 2 do
     local member, score = batch[i], tonumber(batch[i + 1])
     local verdict, what, mark = check_record(member, score, lo, hi, caller, created_ms, legacy)
-    if verdict == 'take' then return take(member, what) end
-    if verdict == 'skip' then
+    if verdict == 'take' then
+      local live, n = held_live(member)
+      if not live then return take(member, what, n) end
+      offset = offset + 1
+    elseif verdict == 'skip' then
       offset = offset + 1
       if what == 'live' then
         skipped[#skipped + 1] = tonumber(member)
         redis.call('HINCRBY', KEYS[5], 'skipped_live_leases', 1)
       elseif what == 'later' and (later_mark == nil or mark < later_mark) then
-        later, later_mark = member, mark
+        local live, n = held_live(member)
+        if not live then later, later_mark, later_stale = member, mark, n end
       end
     else
       local until_ms = now + wait
@@ -318,17 +371,22 @@ while true do
     end
   end
 end
-if later then return take(later, later_mark) end
+if later then return take(later, later_mark, later_stale) end
 redis.call('HINCRBY', KEYS[5], 'acquire_no_free_id', 1)
 local first = redis.call('ZRANGEBYSCORE', KEYS[1], now, '+inf', 'WITHSCORES', 'LIMIT', 0, 1)
 local next_free = 0
 if #first == 2 then next_free = tonumber(first[2]) end
-return {-1, now, next_free, 0, 0, barrier, created, pool[1], quarantined, 0, skipped, change, before, doubt, changed_ms}
+local cur = redis.call('HGET', KEYS[6], 'doubt_until_ms')
+if #present > 0 and tonumber(cur) > now then barrier = math.max(barrier, tonumber(cur)) end
+return {-1, now, next_free, 0, 0, barrier, created, pool[1], quarantined, 0, skipped, change, before, doubt, changed_ms,
+  present, 0}
 """
 )
 
 # KEYS: the six. ARGV: token id ttl_ms high_water_ms epoch wait_ms skew_ms version_seen min max new_epoch
-#       marks good caller_now_ms.
+#       marks good caller_now_ms channel expected.
+# channel: the id's holder channel; expected: on the first renew of a lease, how many subscribers it may
+# have (the holder's own, and any stale ones its acquire saw), more is a second claimant (0: no check).
 # marks: the handover marks the holder's record may hold, comma-separated: the one it last saw confirmed,
 # and the highest that a renew whose answer never came (or that no replica acknowledged) may have
 # written; any mark between them is one of its own ('': it lost track). good: 1 while its
@@ -336,11 +394,14 @@ return {-1, now, next_free, 0, 0, barrier, created, pool[1], quarantined, 0, ski
 # Returns {1, now, expiry, recovering_until_ms, version, free, total, mark, doubt_until_ms, changed_ms, change,
 #          mark_hw_ms}: renewed; free and total count the pool's ids (free: held by nobody), for occupancy
 #          warnings; mark_hw_ms the pool's high-water mark (a holder far ahead of it shows a clock off)
-#      or {-1, now, doubt_until_ms}: the id is someone else's now
+#      or {-1, now, doubt_until_ms, lost}: the id is someone else's now; lost 1 when its holder vouched that
+#          its lease never lapsed (good): a live holder's id is never taken, so writes were lost (the
+#          doubt window is open)
 #      or {-3, now, what, barrier}: the pool was lost ('missing', 'recreated')
 #      or {-4, now, what, until, change, found_expiry, found_mark, doubt_until_ms, changed_ms}: this id's
 #          record was lost, rewritten or is in doubt ('owner entry vanished', 'record changed', 'rolled
-#          back', 'in doubt'); quarantined until ``until``
+#          back', 'in doubt', 'two claimants'); quarantined until ``until``. An owner entry gone while
+#          its holder's lease never lapsed is lost writes: it opens the doubt window too.
 # A holder that vouches for its record (its token, a mark it wrote, a lease that never lapsed) pays no
 # INFO: nobody else can have leased its id, whatever Redis forgot of other ids (see docs/leasing.md).
 RENEW_LUA = (
@@ -372,13 +433,31 @@ end
 local doubt, changed_ms = tonumber(pool[5] or '0'), tonumber(pool[6] or '0')
 local owner = redis.call('HGET', KEYS[2], id)
 if not owner then
-  quarantine(id, now + wait, mark_cover, 'vanished')
+  -- Nobody removes a live holder's owner entry (an acquire quarantines only a lease that ran out): with
+  -- its lease never lapsed, the entry was lost (a rollback in place: run_id and master_replid the same),
+  -- and whatever else was written since then with it. Doubt for every id nobody vouches for; this
+  -- holder's own next acquire is barred and floored by it too.
+  local until_ms, d = now + wait, doubt
+  if good then
+    until_ms = open_doubt(wait, mark_cover)
+    d, changed_ms = until_ms, now
+    redis.call('HINCRBY', KEYS[5], 'lost_writes_seen', 1)
+  end
+  quarantine(id, until_ms, mark_cover, 'vanished')
   redis.call('HINCRBY', KEYS[5], 'data_loss_events', 1)
-  return {-4, now, 'owner entry vanished', now + wait, 'same', -1, -1, doubt, changed_ms}
+  return {-4, now, 'owner entry vanished', until_ms, 'same', -1, -1, d, changed_ms}
 end
 if owner ~= token then
   redis.call('HINCRBY', KEYS[5], 'renew_ownership_error', 1)
-  return {-1, now, doubt}
+  if good then
+    -- Taken over while its lease never lapsed: an acquire never takes a live lease (check_record leaves
+    -- it), so the record was rolled back under it (its acquire lost) and leased again: lost writes.
+    local until_ms = open_doubt(wait, mark_cover)
+    redis.call('HINCRBY', KEYS[5], 'data_loss_events', 1)
+    redis.call('HINCRBY', KEYS[5], 'lost_writes_seen', 1)
+    return {-1, now, until_ms, 1}
+  end
+  return {-1, now, doubt, 0}
 end
 local expiry_found = tonumber(redis.call('ZSCORE', KEYS[1], id) or '-1')
 local mark = tonumber(redis.call('HGET', KEYS[3], id) or '-1')
@@ -420,6 +499,17 @@ if not good or not known then
     return {-4, now, 'in doubt', until_ms, change, expiry_found, mark, doubt, changed_ms}
   end
 end
+-- The first renew of a lease: its holder subscribed to the id's channel before sending it, and so did
+-- any other claimant before its own first renew; in one single-threaded Redis the later of the two
+-- renews sees both subscriptions and stops its holder (neither has served yet).
+local expected = tonumber(ARGV[16] or '0')
+if expected > 0 and subscribers(ARGV[15]) > expected then
+  local until_ms = open_doubt(wait, mark_cover)
+  quarantine(id, until_ms, mark_cover, 'claimants')
+  redis.call('HINCRBY', KEYS[5], 'data_loss_events', 1)
+  redis.call('HINCRBY', KEYS[5], 'lost_writes_seen', 1)
+  return {-4, now, 'two claimants', until_ms, 'same', expiry_found, mark, until_ms, now}
+end
 if expiry_found < now then redis.call('HINCRBY', KEYS[5], 'renew_after_expiry', 1) end
 local expiry = now + ttl
 redis.call('ZADD', KEYS[1], expiry, id)
@@ -437,13 +527,15 @@ return {1, now, expiry, tonumber(pool[2]), version, free, total, mark, doubt, ch
 """
 )
 
-# KEYS: the six. ARGV: token id last_ms epoch mode wait_ms skew_ms ttl_ms caller_now_ms channel.
+# KEYS: the six. ARGV: token id last_ms epoch mode wait_ms skew_ms ttl_ms caller_now_ms channel good.
+# good: 1 when the holder's lease never lapsed (see RENEW_LUA): then an id not ours is lost writes.
 # mode 'clean': we stopped issuing at last_ms, the exact latest millisecond we issued or inherited (0:
 # none), which replaces the mark reserved ahead at the last renew; the next holder may start at once
 # after it. last_ms -1: we never served under this lease; keep the stored mark.
 # mode 'quarantine': we must not use this id and someone else may be issuing under it (its state file
 # is locked by another daemon of our host): lease it to nobody for wait_ms.
-# Returns {1, change} or {0, change} if the id is not ours (or the pool is not the one we leased it from).
+# Returns {1, change} or {0, change, lost} if the id is not ours (or the pool is not the one we leased it
+# from); lost 1: the holder vouched for its lease, so writes were lost and the doubt window is open.
 RELEASE_LUA = (
     _NOW
     + _HELPERS
@@ -452,7 +544,13 @@ local id, wait, skew, ttl, caller = ARGV[2], tonumber(ARGV[6]), tonumber(ARGV[7]
 if redis.call('HGET', KEYS[6], 'epoch') ~= ARGV[4] then return {0, 'same'} end
 local mark_cover = cover(ttl, skew, caller)
 local change = check_identity(wait, mark_cover)
-if redis.call('HGET', KEYS[2], id) ~= ARGV[1] then return {0, change} end
+if redis.call('HGET', KEYS[2], id) ~= ARGV[1] then
+  if ARGV[11] ~= '1' then return {0, change, 0} end
+  open_doubt(wait, mark_cover)
+  redis.call('HINCRBY', KEYS[5], 'data_loss_events', 1)
+  redis.call('HINCRBY', KEYS[5], 'lost_writes_seen', 1)
+  return {0, change, 1}
+end
 if ARGV[5] == 'quarantine' then
   quarantine(id, now + wait, mark_cover, 'conflict')
   return {1, change}

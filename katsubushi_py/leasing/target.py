@@ -316,3 +316,10 @@ def _sentinel_target(
 def released_channel(target: RedisTarget) -> str:
     """The pub/sub channel a clean release announces itself on, so that waiting daemons wake at once."""
     return "{" + target.namespace + "}:released"
+
+
+def holder_prefix(target: RedisTarget) -> str:
+    """The holder channels' name before the worker id: each holder stays subscribed to its id's channel
+    while it holds it, so that a script can see a live holder where Redis's data forgot it (see
+    ``subscribers`` in scripts.py). Hash-tagged: in a Redis Cluster the channel is on the pool's slot."""
+    return "{" + target.namespace + "}:holder:"
