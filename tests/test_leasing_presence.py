@@ -17,6 +17,9 @@ from test_leasing_records import KEYS, POOL, SKEW, TTL, UNRELEASED, WAIT, Pool
 from katsubushi_py.leasing.replies import Acquired, RecordLost, Renewed, TakenOver, parse_acquire, parse_renew
 from katsubushi_py.leasing.scripts import ACQUIRE_LUA, RELEASE_LUA, RENEW_LUA
 
+# The scripts against a real Redis: the same whichever hot path serves (conftest.py, the once marker).
+pytestmark = pytest.mark.once
+
 PREFIX = "{r}:holder:"
 
 
