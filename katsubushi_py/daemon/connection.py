@@ -121,6 +121,7 @@ class ConnectionHandler(ProtocolCore, asyncio.Protocol):
         "_open_protocol",
         "_refusal",
         "_slice_handle",
+        "_token_login",
         "_transport",
         "_unauthenticated",
         "_wait_handle",
@@ -132,10 +133,13 @@ class ConnectionHandler(ProtocolCore, asyncio.Protocol):
         daemon: Daemon,
         open_protocol: Callable[[], SansIOConnection] | None = None,
         refusal: bytes = TOO_MANY_CONNECTIONS,
+        token_login: bool = False,
     ) -> None:
         self._daemon = daemon
         self._open_protocol = open_protocol
         self._refusal = refusal
+        #: HTTP or gRPC with --token-file: unauthenticated until a request with a good token (issue 33).
+        self._token_login = token_login
         self._transport: asyncio.Transport | None = None
         self._conn: SansIOConnection = _CLOSED
         self._idle_handle: asyncio.TimerHandle | None = None
@@ -154,7 +158,9 @@ class ConnectionHandler(ProtocolCore, asyncio.Protocol):
         stats = daemon.stats
         self._transport = tcp
         credentials = daemon.credentials
-        needs_login = self._open_protocol is None and credentials is not None and credentials.users_enabled
+        needs_login = self._token_login or (
+            self._open_protocol is None and credentials is not None and credentials.users_enabled
+        )
         if daemon.stopping or not daemon.admission.admit(needs_login):
             if daemon.stopping:
                 stats.rejected_connections += 1
@@ -163,7 +169,15 @@ class ConnectionHandler(ProtocolCore, asyncio.Protocol):
             tcp.close()
             return
         if self._open_protocol is not None:
-            self._use(self._open_protocol())
+            conn = self._open_protocol()
+            self._use(conn)
+            if self._token_login:
+                # Its first request with a good token calls _token_accepted (the protocol knows when).
+                assert credentials is not None
+                conn.on_login = self._token_accepted  # type: ignore[union-attr]
+                daemon.loop.call_later(credentials.config.login_timeout, self._login_deadline)
+                self._unauthenticated = True
+                daemon.admission.unauthenticated += 1
         elif needs_login:
             # --auth-file: the login first; the real protocol (compiled where built) once it succeeds.
             assert credentials is not None
@@ -203,13 +217,28 @@ class ConnectionHandler(ProtocolCore, asyncio.Protocol):
         self._use(conn)
         return conn.receive(rest) if rest else b""
 
+    def _token_accepted(self) -> None:
+        """HTTP or gRPC with --token-file: a request carried a good token. The connection now counts as
+        authenticated (no longer under --max-unauthenticated, no login deadline)."""
+        if self._unauthenticated:
+            self._unauthenticated = False
+            self._daemon.admission.unauthenticated -= 1
+
     def _login_deadline(self) -> None:
-        """--login-timeout: a connection still not logged in is closed (it would hold a place under
-        --max-connections for the whole idle timeout)."""
+        """--login-timeout: a connection still not logged in (memcached) or that has sent no request
+        with a good token (HTTP, gRPC) is closed: it would hold a place under --max-unauthenticated and
+        --max-connections for the whole idle timeout. HTTP is told 408 first, gRPC a GOAWAY."""
         transport = self._transport
-        if isinstance(self._conn, AuthGate) and transport is not None and not transport.is_closing():
-            log.debug("closing a connection that did not log in within --login-timeout")
-            transport.close()
+        if not self._unauthenticated or transport is None or transport.is_closing():
+            return
+        log.debug("closing a connection that did not authenticate within --login-timeout")
+        self._daemon.admission.login_timeouts += 1
+        farewell = getattr(self._conn, "login_expired", None)
+        if farewell is not None:
+            last_words = farewell()
+            if last_words:
+                transport.write(last_words)
+        transport.close()
 
     def _data_received(self, data: bytes) -> None:
         reply = self._receive(data)
