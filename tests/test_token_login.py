@@ -90,11 +90,24 @@ def test_grpc_connection_without_a_good_call_gets_goaway_at_the_login_deadline(
     port = free_port()
     d = daemons.start("--grpc-port", str(port), "--token-file", str(files / "tokens"), "--login-timeout", "1s")
     wait_for_port(port, d.proc)
-    sock = socket.create_connection(("127.0.0.1", port), timeout=5)
-    sock.sendall(PREFACE + frame(SETTINGS, 0, 0, b""))
-    said, after = rest(sock, 5)
-    assert b"did not send a call with a valid bearer token within --login-timeout" in said and after < 2
-    sock.close()
+    grpc = pytest.importorskip("grpc")
+    from katsubushi_py.frontends import katsubushi_pb2 as pb
+    from katsubushi_py.frontends import katsubushi_pb2_grpc as pb_grpc
+
+    good = [("authorization", f"Bearer {TOKEN}")]
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+        generator = pb_grpc.GeneratorStub(channel)
+        first = generator.Fetch(pb.FetchRequest(), timeout=5, metadata=good).id
+        sock = socket.create_connection(("127.0.0.1", port), timeout=5)
+        sock.sendall(PREFACE + frame(SETTINGS, 0, 0, b""))
+        said, after = rest(sock, 5)
+        assert b"did not send a call with a valid bearer token within --login-timeout" in said and after < 2
+        sock.close()
+        for _ in range(50):  # the authenticated channel's connection, past the deadline: served, never closed
+            assert generator.Fetch(pb.FetchRequest(), timeout=5, metadata=good).id > first
+        fields = stats(d.port)  # type: ignore[arg-type]
+        assert (fields["login_timeouts"], fields["unauthenticated_connections"]) == ("1", "0")
+        assert fields["curr_connections"] == "2"  # the channel's one connection, and this stats one
 
 
 def test_without_token_file_http_connections_are_authenticated_once_made(daemons: DaemonFactory, files: Path) -> None:
