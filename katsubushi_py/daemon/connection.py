@@ -118,6 +118,7 @@ class ConnectionHandler(ProtocolCore, asyncio.Protocol):
         "_eof",
         "_idle_handle",
         "_last_activity",
+        "_login_handle",
         "_open_protocol",
         "_refusal",
         "_slice_handle",
@@ -150,6 +151,9 @@ class ConnectionHandler(ProtocolCore, asyncio.Protocol):
         self._eof = False
         self._last_activity = 0
         self._unauthenticated = False  # counted in daemon.admission.unauthenticated
+        #: --login-timeout's timer, cancelled once authenticated or closed (a busy HTTP port opens and
+        #: closes thousands of connections a second: their timers would wait out the timeout).
+        self._login_handle: asyncio.TimerHandle | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         # uvloop's transports do not subclass asyncio.Transport, so no isinstance check here.
@@ -172,17 +176,17 @@ class ConnectionHandler(ProtocolCore, asyncio.Protocol):
             conn = self._open_protocol()
             self._use(conn)
             if self._token_login:
-                # Its first request with a good token calls _token_accepted (the protocol knows when).
+                # Its first request with a good token calls _authenticated (the protocol knows when).
                 assert credentials is not None
-                conn.on_login = self._token_accepted  # type: ignore[union-attr]
-                daemon.loop.call_later(credentials.config.login_timeout, self._login_deadline)
+                conn.on_login = self._authenticated  # type: ignore[union-attr]
+                self._login_handle = daemon.loop.call_later(credentials.config.login_timeout, self._login_deadline)
                 self._unauthenticated = True
                 daemon.admission.unauthenticated += 1
         elif needs_login:
             # --auth-file: the login first; the real protocol (compiled where built) once it succeeds.
             assert credentials is not None
             self._use(AuthGate(credentials, daemon.issuer.version, self._logged_in))
-            daemon.loop.call_later(credentials.config.login_timeout, self._login_deadline)
+            self._login_handle = daemon.loop.call_later(credentials.config.login_timeout, self._login_deadline)
             self._unauthenticated = True
             daemon.admission.unauthenticated += 1
         else:
@@ -207,9 +211,7 @@ class ConnectionHandler(ProtocolCore, asyncio.Protocol):
         """The client has authenticated: from now on its reads go to the real protocol, exactly as on
         a connection without authentication; the reply to what followed the login in the same read."""
         daemon = self._daemon
-        if self._unauthenticated:
-            self._unauthenticated = False
-            daemon.admission.unauthenticated -= 1
+        self._authenticated()
         if protocol == "binary":
             conn: TextConnection | BinaryConnection = BinaryConnection(daemon.issuer)
         else:
@@ -217,17 +219,22 @@ class ConnectionHandler(ProtocolCore, asyncio.Protocol):
         self._use(conn)
         return conn.receive(rest) if rest else b""
 
-    def _token_accepted(self) -> None:
-        """HTTP or gRPC with --token-file: a request carried a good token. The connection now counts as
-        authenticated (no longer under --max-unauthenticated, no login deadline)."""
+    def _authenticated(self) -> None:
+        """No longer counted as unauthenticated, and no login deadline: the memcached login succeeded,
+        an HTTP request or gRPC call carried a good token (the protocol calls its ``on_login``), or the
+        connection is gone."""
         if self._unauthenticated:
             self._unauthenticated = False
             self._daemon.admission.unauthenticated -= 1
+        if self._login_handle is not None:
+            self._login_handle.cancel()
+            self._login_handle = None
 
     def _login_deadline(self) -> None:
         """--login-timeout: a connection still not logged in (memcached) or that has sent no request
         with a good token (HTTP, gRPC) is closed: it would hold a place under --max-unauthenticated and
         --max-connections for the whole idle timeout. HTTP is told 408 first, gRPC a GOAWAY."""
+        self._login_handle = None
         transport = self._transport
         if not self._unauthenticated or transport is None or transport.is_closing():
             return
@@ -365,9 +372,7 @@ class ConnectionHandler(ProtocolCore, asyncio.Protocol):
         if self._wait_handle is not None:
             self._wait_handle.cancel()
             self._wait_handle = None
-        if self._unauthenticated:
-            self._unauthenticated = False
-            self._daemon.admission.unauthenticated -= 1
+        self._authenticated()  # (uncounted: it is gone)
         if self in self._daemon.connections:
             self._daemon.connections.discard(self)
             self._daemon.stats.curr_connections -= 1
