@@ -2,9 +2,11 @@
 and CPU from /proc, and a legitimate client in a process of its own (so the attackers' threads in the
 test process do not take its GIL and its timing): it logs in to the memcached port (``--auth-file``,
 over TLS or not), asks ``get id`` every 2 ms until it is sent SIGTERM, and writes every latency, every
-failure and every ID to a JSON file.
+failure and every ID to a JSON file. With ``kind`` ``http`` or ``grpc`` it asks the HTTP port (``GET
+/id`` on one keep-alive connection) or the gRPC port (``Fetch`` on one grpcio channel) instead, with
+PASSWORD as its bearer token (``--token-file``; USER is unused).
 
-Run as a script: ``python hostile_clients.py PORT USER PASSWORD OUT [CAFILE]``.
+Run as a script: ``python hostile_clients.py PORT USER PASSWORD OUT CAFILE|- [KIND]``.
 """
 
 from __future__ import annotations
@@ -67,6 +69,24 @@ def read_until(sock: socket.socket, end: bytes) -> bytes:
     return data
 
 
+def read_response(sock: socket.socket) -> tuple[bytes, bytes]:
+    """One HTTP/1.1 response with a Content-Length: (head, body)."""
+    data = b""
+    while b"\r\n\r\n" not in data:
+        piece = sock.recv(65536)
+        if not piece:
+            raise ConnectionError(f"closed after {data!r}")
+        data += piece
+    head, _, body = data.partition(b"\r\n\r\n")
+    length = int(head.lower().split(b"content-length:")[1].split(b"\r\n")[0])
+    while len(body) < length:
+        piece = sock.recv(65536)
+        if not piece:
+            raise ConnectionError("closed in a body")
+        body += piece
+    return head, body
+
+
 @dataclass
 class LegitResult:
     latencies_ms: list[float]
@@ -86,8 +106,10 @@ class LegitResult:
 class Legit:
     """The legitimate client's process (see the module's docstring)."""
 
-    def __init__(self, port: int, user: str, password: str, out: Path, cafile: str | None = None) -> None:
-        argv = [sys.executable, __file__, str(port), user, password, str(out)] + ([cafile] if cafile else [])
+    def __init__(
+        self, port: int, user: str, password: str, out: Path, cafile: str | None = None, kind: str = "memcached"
+    ) -> None:
+        argv = [sys.executable, __file__, str(port), user, password, str(out), cafile or "-", kind]
         self.out = out
         self.proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL)
         deadline = time.monotonic() + 10
@@ -110,9 +132,86 @@ class Legit:
         return LegitResult(data["latencies_ms"], data["failures"], data["ids"])
 
 
-def _main(port: int, user: str, password: str, out: str, cafile: str | None) -> None:
-    stop = []
+class _HttpClient:
+    """``GET /id`` with a bearer token on one keep-alive connection (made again after a failure)."""
+
+    def __init__(self, port: int, token: str, cafile: str | None) -> None:
+        self.port, self.cafile = port, cafile
+        self.request = f"GET /id HTTP/1.1\r\nHost: localhost\r\nAuthorization: Bearer {token}\r\n\r\n".encode()
+        self.sock = connect(port, cafile)
+
+    def fetch(self) -> int:
+        self.sock.sendall(self.request)
+        head, body = read_response(self.sock)
+        if not head.startswith(b"HTTP/1.1 200"):
+            raise ConnectionError(head.decode("latin-1")[:200])
+        return int(body)
+
+    def again(self) -> None:
+        self.sock.close()
+        self.sock = connect(self.port, self.cafile)
+
+
+class _GrpcClient:
+    """``Fetch`` with a bearer token on one grpcio channel (grpcio reconnects by itself)."""
+
+    def __init__(self, port: int, token: str, cafile: str | None) -> None:
+        import grpc
+
+        from katsubushi_py.frontends import katsubushi_pb2 as pb
+        from katsubushi_py.frontends import katsubushi_pb2_grpc as pb_grpc
+
+        options = [("grpc.ssl_target_name_override", "localhost"), ("grpc.use_local_subchannel_pool", 1)]
+        if cafile:
+            creds = grpc.ssl_channel_credentials(Path(cafile).read_bytes())
+            self.channel = grpc.secure_channel(f"127.0.0.1:{port}", creds, options)
+        else:
+            self.channel = grpc.insecure_channel(f"127.0.0.1:{port}", options[1:])
+        self.stub = pb_grpc.GeneratorStub(self.channel)
+        self.request = pb.FetchRequest()
+        self.metadata = [("authorization", f"Bearer {token}")]
+        self.fetch()
+
+    def fetch(self) -> int:
+        return int(self.stub.Fetch(self.request, timeout=5, metadata=self.metadata).id)
+
+    def again(self) -> None:
+        pass
+
+
+def _serve_other(kind: str, port: int, token: str, out: str, cafile: str | None, stop: list[int]) -> None:
+    """The HTTP or gRPC client's loop (see the module's docstring)."""
+    latencies: list[float] = []
+    failures: list[str] = []
+    ids: list[int] = []
+    client = _HttpClient(port, token, cafile) if kind == "http" else _GrpcClient(port, token, cafile)
+    Path(out + ".ready").write_text("1")
+    count = 0
+    while not stop:
+        started = time.perf_counter()
+        try:
+            ids.append(client.fetch())
+            latencies.append((time.perf_counter() - started) * 1000)
+        except Exception as exc:  # a failure of any kind is what the test counts
+            failures.append(repr(exc)[:200])
+            try:
+                client.again()
+            except OSError as again:
+                failures.append(repr(again))
+                time.sleep(0.1)
+        count += 1
+        if count % 100 == 0:
+            Path(out + ".count").write_text(str(count))
+        time.sleep(0.002)
+    Path(out).write_text(json.dumps({"latencies_ms": latencies, "failures": failures, "ids": ids}))
+
+
+def _main(port: int, user: str, password: str, out: str, cafile: str | None, kind: str = "memcached") -> None:
+    stop: list[int] = []
     signal.signal(signal.SIGTERM, lambda *_: stop.append(1))
+    if kind != "memcached":
+        _serve_other(kind, port, password, out, cafile, stop)
+        return
     latencies: list[float] = []
     failures: list[str] = []
     ids: list[int] = []
@@ -148,4 +247,5 @@ def _main(port: int, user: str, password: str, out: str, cafile: str | None) -> 
 
 
 if __name__ == "__main__":
-    _main(int(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4], sys.argv[5] if len(sys.argv) > 5 else None)
+    cafile_arg = sys.argv[5] if len(sys.argv) > 5 and sys.argv[5] != "-" else None
+    _main(int(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4], cafile_arg, *sys.argv[6:7])

@@ -58,6 +58,9 @@ def test_refusals_are_logged_at_most_every_ten_seconds(caplog: pytest.LogCapture
             ["--max-connections", "10", "--max-unauthenticated", "11"],
             "--max-unauthenticated 11 is more than --max-connections 10",
         ),
+        # --login-timeout closes memcached connections not logged in (--auth-file) and HTTP and gRPC
+        # connections with no request with a good token yet (--token-file): it needs one of the two.
+        (["--login-timeout", "5s"], "--login-timeout needs --auth-file or --token-file"),
     ],
 )
 def test_bad_max_unauthenticated_is_one_line_and_exit_2(args: list[str], said: str) -> None:

@@ -9,7 +9,9 @@ Scale: the issue's figures (1,000 parked header blocks, 12,000 idle TLS connecti
 flooders) are used as they are; the never-authenticating TLS connections are 1,024 against
 --max-connections 1024 instead of 4,096 against 4,096 (each is a full TLS handshake, ~3 ms of CPU for
 the test and the daemon each on this 2-core machine: 4,096 would take most of the 30 s a test may
-take), which exercises the same share, a half.
+take), which exercises the same share, a half. The same with --token-file on the HTTP and gRPC ports
+(256 against --max-connections 256, the legitimate client asking those ports with its token): before
+issue 33's last part they counted as authenticated once made and held every place.
 
 Baselines are taken after a warm-up (the attack once, or 300 handshakes): the first flood a process
 sees grows the allocators' arenas for good (by ~10 MB for 1,000 header blocks), later ones give their
@@ -32,7 +34,17 @@ from pathlib import Path
 
 import pytest
 from conftest import DaemonFactory, free_port, wait_for_port
-from hostile_clients import Legit, LegitResult, cpu_seconds, fd_count, login_line, read_until, rss_kib
+from hostile_clients import (
+    Legit,
+    LegitResult,
+    connect,
+    cpu_seconds,
+    fd_count,
+    login_line,
+    read_response,
+    read_until,
+    rss_kib,
+)
 from tls_certs import Certs, make_certs
 
 from katsubushi_py.frontends.grpc_frames import (
@@ -418,3 +430,132 @@ def _alive(sock: ssl.SSLSocket) -> bool:
         return True
     except (OSError, ssl.SSLError):
         return False
+
+
+# -- never-authenticating HTTP and gRPC connections (--token-file) -------------------------------------
+TOKEN = "hostile-test-token-0123456789"
+LOGIN_TIMEOUT = 4.0
+
+
+def _token_dir() -> Iterator[Path]:
+    directory = Path(tempfile.mkdtemp(prefix="kp-hostile-tokens-"))
+    (directory / "tokens").write_text(TOKEN + "\n")
+    try:
+        yield directory
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+tokens = pytest.fixture(_token_dir)
+
+
+def _http_request(path: str, token: str | None = None) -> bytes:
+    auth = f"Authorization: Bearer {token}\r\n" if token else ""
+    return f"GET {path} HTTP/1.1\r\nHost: localhost\r\n{auth}\r\n".encode()
+
+
+def _unauthenticated_opening(kind: str, i: int) -> bytes:
+    """What attacker ``i`` sends once its handshake is done: a third nothing at all; a third requests
+    with no token or a wrong one; a third what needs no token (HTTP's /healthz) or only the HTTP/2
+    preface and SETTINGS (gRPC)."""
+    if i % 3 == 0:
+        return b""
+    if kind == "http":
+        if i % 3 == 1:
+            return _http_request("/id") + _http_request("/ids?n=5", "wrong-token-0123456789")
+        return _http_request("/healthz")
+    opening = PREFACE + frame(SETTINGS, 0, 0, b"")
+    if i % 3 == 1:  # a Fetch with a wrong token: refused UNAUTHENTICATED, the stream ends there
+        block = literal_block(
+            [
+                (b":method", b"POST"), (b":scheme", b"https"), (b":path", b"/katsubushi.Generator/Fetch"),
+                (b":authority", b"localhost"), (b"content-type", b"application/grpc"), (b"te", b"trailers"),
+                (b"authorization", b"Bearer wrong-token-0123456789"),
+            ]
+        )  # fmt: skip
+        opening += frame(HEADERS, 0x4 | 0x1, 1, block)
+    return opening
+
+
+@pytest.mark.parametrize("kind", ["http", "grpc"])
+def test_never_authenticating_http_and_grpc_connections_hold_only_their_share(
+    daemons: DaemonFactory, certs: Certs, tokens: Path, tmp_path: Path, kind: str
+) -> None:
+    http_port, grpc_port = free_port(), free_port()
+    daemon = daemons.start(
+        "--tls-cert", certs.server.cert, "--tls-key", certs.server.key, "--token-file", str(tokens / "tokens"),
+        "--http-port", str(http_port), "--grpc-port", str(grpc_port),
+        "--max-connections", "256", "--login-timeout", f"{LOGIN_TIMEOUT:g}s",
+    )  # fmt: skip
+    port = http_port if kind == "http" else grpc_port
+    wait_for_port(port, daemon.proc)
+    ctx = ssl.create_default_context(cafile=certs.ca.cert)
+    ctx.set_alpn_protocols(["http/1.1"] if kind == "http" else ["h2"])
+
+    def handshake() -> ssl.SSLSocket:
+        raw = socket.create_connection(("127.0.0.1", port), timeout=5)
+        return ctx.wrap_socket(raw, server_hostname="localhost")
+
+    # Authenticated first: 20 HTTP connections that each got an ID (gRPC: the legitimate client's
+    # channel), and the client that measures; none of them is closed by the login deadline.
+    authenticated: list[ssl.SSLSocket] = []
+    if kind == "http":
+        for _ in range(20):
+            sock = handshake()
+            sock.sendall(_http_request("/id", TOKEN))
+            assert read_response(sock)[0].startswith(b"HTTP/1.1 200")
+            authenticated.append(sock)
+    legit = Legit(port, "", TOKEN, tmp_path / "legit.json", certs.ca.cert, kind)  # type: ignore[arg-type]
+    for _ in range(100):  # warm-up (the allocators' arenas grow once; see the first test)
+        handshake().close()
+    base = baseline(daemon.pid)
+    watch = Watch(daemon.pid)
+    started = time.monotonic()
+    held: list[ssl.SSLSocket] = []
+    failed = 0
+    for i in range(256):
+        try:
+            sock = handshake()
+            opening = _unauthenticated_opening(kind, i)
+            if opening:
+                sock.sendall(opening)
+            held.append(sock)
+        except OSError:
+            failed += 1  # refused before the handshake (closed at accept)
+    attack_s = time.monotonic() - started
+    time.sleep(0.3)
+    still_held = sum(_alive(sock) for sock in held)
+    refused = failed + len(held) - still_held
+    if kind == "http":  # the authenticated connections outlive the login deadline and keep working
+        time.sleep(max(0.0, started + LOGIN_TIMEOUT + 1 - time.monotonic()))
+        for sock in authenticated:
+            sock.sendall(_http_request("/id", TOKEN))
+            assert read_response(sock)[0].startswith(b"HTTP/1.1 200")
+    said, still_open = drain(held, LOGIN_TIMEOUT + 4)
+    closed_s = time.monotonic() - started
+    for sock in authenticated:
+        sock.close()
+    watch.stop()
+    after = settle(daemon.pid, *base)
+    result = legit.stop()
+    told = [data for data in said if data]
+    if kind == "http":
+        timeouts = sum(b"HTTP/1.1 408 Request Timeout" in data for data in told)
+    else:
+        # (_alive read the start of what each said: the GOAWAY is found by its debug data)
+        timeouts = sum(b"\x00\x00\x00\x0bdid not send a call with a valid bearer token" in data for data in told)
+    with contextlib.closing(connect(daemon.port, certs.ca.cert)) as memcached:  # type: ignore[arg-type]
+        memcached.sendall(b"stats\r\n")
+        stats = dict(line.split(" ")[1:3] for line in read_until(memcached, b"END\r\n").decode().splitlines()[:-1])
+    report(
+        f"never authenticating ({kind})", base, watch, after, result,
+        attempts=256, held=still_held, refused=refused, timeouts_told=timeouts, attack_s=f"{attack_s:.1f}",
+        closed_s=f"{closed_s:.1f}", login_timeouts=stats["login_timeouts"],
+    )  # fmt: skip
+    assert still_held <= 128  # --max-unauthenticated: half of --max-connections
+    assert refused >= 256 - 128
+    assert still_open == 0
+    assert closed_s >= LOGIN_TIMEOUT - 0.5  # closed by the login deadline, not before it
+    assert timeouts >= still_held * 2 // 3 - 5  # told why (all but the gRPC ones that sent no preface)
+    assert int(stats["login_timeouts"]) >= still_held
+    check(base, watch, after, result)

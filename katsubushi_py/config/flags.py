@@ -296,8 +296,9 @@ def add_auth_options(parser: argparse.ArgumentParser) -> None:
         auth,
         "login-timeout",
         metavar="DURATION",
-        help="with --auth-file, close a memcached connection that has not logged in this long after it"
-        " opened (default 10s)",
+        help="close a connection that has not authenticated this long after it opened: with --auth-file a"
+        " memcached one not logged in, with --token-file an HTTP or gRPC one with no request carrying a"
+        " good token yet (default 10s)",
     )
     auth.add_argument(
         "--metrics-no-auth",

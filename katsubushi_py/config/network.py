@@ -102,8 +102,8 @@ def auth_config(args: argparse.Namespace) -> AuthConfig | None:
     login_timeout = parse_duration(str(getattr(args, "login_timeout", "10s")), "--login-timeout")
     if login_timeout <= 0:
         raise ConfigError("--login-timeout must be more than 0")
-    if hasattr(args, "login_timeout") and auth_file is None:
-        raise ConfigError("--login-timeout needs --auth-file")
+    if hasattr(args, "login_timeout") and auth_file is None and token_file is None:
+        raise ConfigError("--login-timeout needs --auth-file or --token-file")
     if auth_file is None and token_file is None:
         return None
     config = AuthConfig(auth_file, token_file, metrics_no_auth, login_timeout)

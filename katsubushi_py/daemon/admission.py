@@ -7,11 +7,13 @@ made (its protocol object is created, after the handshake on a TLS port):
   counts its ``-Z`` connections from ``accept``. Before, a handshake took no slot: an idle TCP
   connection to a TLS port cost ~48 KB and was not counted, and 12,000 of them took 616 MB.
 - ``--max-unauthenticated`` (default: half of ``--max-connections``) counts what has not
-  authenticated yet: TLS handshakes in progress and, with ``--auth-file``, memcached connections that
-  have not logged in (they are closed by ``--login-timeout``). Connections that never authenticate can
-  hold at most this share, so they cannot push out the clients that have: those keep the other half.
-  (HTTP and gRPC have no connection-level login: each request carries its token, and their
-  connections count as authenticated once made.)
+  authenticated yet: TLS handshakes in progress; with ``--auth-file``, memcached connections that
+  have not logged in; with ``--token-file``, HTTP and gRPC connections that have not yet sent a
+  request (a call) with a good bearer token (requests to the open routes, /healthz and /livez, or
+  refused ones do not count). Both kinds are closed by ``--login-timeout`` (HTTP with a 408, gRPC
+  with a GOAWAY). Connections that never authenticate can hold at most this share, so they cannot
+  push out the clients that have: those keep the other half. Without ``--token-file`` an HTTP or
+  gRPC connection has nothing to authenticate and counts as authenticated once made.
 
 A refusal closes the socket at once (before any TLS byte: the client sees a reset or an EOF, and
 clients retry with backoff), counts in ``rejected_connections``, and is logged at most once every
@@ -47,7 +49,8 @@ class Admission:
         self._connections = connections
         self._servers = servers  # the listeners; a TLS one has the set of its handshakes in progress
         self._stats = stats
-        self.unauthenticated = 0  # memcached connections made and not logged in
+        self.unauthenticated = 0  # connections made and not authenticated yet (memcached, HTTP, gRPC)
+        self.login_timeouts = 0  # connections closed by --login-timeout
         self.refused_unauthenticated = 0  # refused because the unauthenticated share was full
         self._unlogged = 0  # refusals not logged yet
         self._logged_at = -LOG_EVERY
@@ -84,7 +87,7 @@ class Admission:
         if now - self._logged_at >= LOG_EVERY:
             log.warning(
                 "refused %d connection(s) in the last %ds: %s reached (%d connections, %d TLS handshakes in"
-                " progress, %d not logged in; --max-connections %d, --max-unauthenticated %d)",
+                " progress, %d not authenticated; --max-connections %d, --max-unauthenticated %d)",
                 self._unlogged,
                 round(min(now - self._logged_at, LOG_EVERY)),
                 limit,
@@ -104,4 +107,5 @@ class Admission:
             ("tls_handshakes", self.handshakes()),
             ("unauthenticated_connections", self.unauthenticated),
             ("rejected_unauthenticated", self.refused_unauthenticated),
+            ("login_timeouts", self.login_timeouts),
         ]

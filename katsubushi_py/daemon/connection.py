@@ -118,9 +118,11 @@ class ConnectionHandler(ProtocolCore, asyncio.Protocol):
         "_eof",
         "_idle_handle",
         "_last_activity",
+        "_login_handle",
         "_open_protocol",
         "_refusal",
         "_slice_handle",
+        "_token_login",
         "_transport",
         "_unauthenticated",
         "_wait_handle",
@@ -132,10 +134,13 @@ class ConnectionHandler(ProtocolCore, asyncio.Protocol):
         daemon: Daemon,
         open_protocol: Callable[[], SansIOConnection] | None = None,
         refusal: bytes = TOO_MANY_CONNECTIONS,
+        token_login: bool = False,
     ) -> None:
         self._daemon = daemon
         self._open_protocol = open_protocol
         self._refusal = refusal
+        #: HTTP or gRPC with --token-file: unauthenticated until a request with a good token (issue 33).
+        self._token_login = token_login
         self._transport: asyncio.Transport | None = None
         self._conn: SansIOConnection = _CLOSED
         self._idle_handle: asyncio.TimerHandle | None = None
@@ -146,6 +151,9 @@ class ConnectionHandler(ProtocolCore, asyncio.Protocol):
         self._eof = False
         self._last_activity = 0
         self._unauthenticated = False  # counted in daemon.admission.unauthenticated
+        #: --login-timeout's timer, cancelled once authenticated or closed (a busy HTTP port opens and
+        #: closes thousands of connections a second: their timers would wait out the timeout).
+        self._login_handle: asyncio.TimerHandle | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         # uvloop's transports do not subclass asyncio.Transport, so no isinstance check here.
@@ -154,7 +162,9 @@ class ConnectionHandler(ProtocolCore, asyncio.Protocol):
         stats = daemon.stats
         self._transport = tcp
         credentials = daemon.credentials
-        needs_login = self._open_protocol is None and credentials is not None and credentials.users_enabled
+        needs_login = self._token_login or (
+            self._open_protocol is None and credentials is not None and credentials.users_enabled
+        )
         if daemon.stopping or not daemon.admission.admit(needs_login):
             if daemon.stopping:
                 stats.rejected_connections += 1
@@ -163,12 +173,20 @@ class ConnectionHandler(ProtocolCore, asyncio.Protocol):
             tcp.close()
             return
         if self._open_protocol is not None:
-            self._use(self._open_protocol())
+            conn = self._open_protocol()
+            self._use(conn)
+            if self._token_login:
+                # Its first request with a good token calls _authenticated (the protocol knows when).
+                assert credentials is not None
+                conn.on_login = self._authenticated  # type: ignore[union-attr]
+                self._login_handle = daemon.loop.call_later(credentials.config.login_timeout, self._login_deadline)
+                self._unauthenticated = True
+                daemon.admission.unauthenticated += 1
         elif needs_login:
             # --auth-file: the login first; the real protocol (compiled where built) once it succeeds.
             assert credentials is not None
             self._use(AuthGate(credentials, daemon.issuer.version, self._logged_in))
-            daemon.loop.call_later(credentials.config.login_timeout, self._login_deadline)
+            self._login_handle = daemon.loop.call_later(credentials.config.login_timeout, self._login_deadline)
             self._unauthenticated = True
             daemon.admission.unauthenticated += 1
         else:
@@ -193,9 +211,7 @@ class ConnectionHandler(ProtocolCore, asyncio.Protocol):
         """The client has authenticated: from now on its reads go to the real protocol, exactly as on
         a connection without authentication; the reply to what followed the login in the same read."""
         daemon = self._daemon
-        if self._unauthenticated:
-            self._unauthenticated = False
-            daemon.admission.unauthenticated -= 1
+        self._authenticated()
         if protocol == "binary":
             conn: TextConnection | BinaryConnection = BinaryConnection(daemon.issuer)
         else:
@@ -203,13 +219,33 @@ class ConnectionHandler(ProtocolCore, asyncio.Protocol):
         self._use(conn)
         return conn.receive(rest) if rest else b""
 
+    def _authenticated(self) -> None:
+        """No longer counted as unauthenticated, and no login deadline: the memcached login succeeded,
+        an HTTP request or gRPC call carried a good token (the protocol calls its ``on_login``), or the
+        connection is gone."""
+        if self._unauthenticated:
+            self._unauthenticated = False
+            self._daemon.admission.unauthenticated -= 1
+        if self._login_handle is not None:
+            self._login_handle.cancel()
+            self._login_handle = None
+
     def _login_deadline(self) -> None:
-        """--login-timeout: a connection still not logged in is closed (it would hold a place under
-        --max-connections for the whole idle timeout)."""
+        """--login-timeout: a connection still not logged in (memcached) or that has sent no request
+        with a good token (HTTP, gRPC) is closed: it would hold a place under --max-unauthenticated and
+        --max-connections for the whole idle timeout. HTTP is told 408 first, gRPC a GOAWAY."""
+        self._login_handle = None
         transport = self._transport
-        if isinstance(self._conn, AuthGate) and transport is not None and not transport.is_closing():
-            log.debug("closing a connection that did not log in within --login-timeout")
-            transport.close()
+        if not self._unauthenticated or transport is None or transport.is_closing():
+            return
+        log.debug("closing a connection that did not authenticate within --login-timeout")
+        self._daemon.admission.login_timeouts += 1
+        farewell = getattr(self._conn, "login_expired", None)
+        if farewell is not None:
+            last_words = farewell()
+            if last_words:
+                transport.write(last_words)
+        transport.close()
 
     def _data_received(self, data: bytes) -> None:
         reply = self._receive(data)
@@ -336,9 +372,7 @@ class ConnectionHandler(ProtocolCore, asyncio.Protocol):
         if self._wait_handle is not None:
             self._wait_handle.cancel()
             self._wait_handle = None
-        if self._unauthenticated:
-            self._unauthenticated = False
-            self._daemon.admission.unauthenticated -= 1
+        self._authenticated()  # (uncounted: it is gone)
         if self in self._daemon.connections:
             self._daemon.connections.discard(self)
             self._daemon.stats.curr_connections -= 1

@@ -336,11 +336,13 @@ class Daemon:
         protocols = (*memcached, "http", "grpc") if self.config.grpc_port is not None else (*memcached, "http")
         api = HttpApi(self.issuer, metrics_renderer(make_registry(self.stats, self.issuer, protocols)))
         credentials = self.credentials
-        if credentials is not None and credentials.tokens_enabled:
+        tokens = credentials is not None and credentials.tokens_enabled
+        if tokens:
+            assert credentials is not None
             api.require_token(credentials, metrics_open=credentials.config.metrics_no_auth)
 
         def factory() -> ConnectionHandler:
-            return ConnectionHandler(self, lambda: HttpConnection(api), TOO_MANY_CONNECTIONS)
+            return ConnectionHandler(self, lambda: HttpConnection(api), TOO_MANY_CONNECTIONS, token_login=tokens)
 
         if self.listeners is not None and self.listeners.http:
             await self._serve_sockets(factory, self.listeners.http, "http://", kind="http")
@@ -356,11 +358,12 @@ class Daemon:
 
         service = GrpcService(self.issuer)
         credentials = self.credentials
-        if credentials is not None and credentials.tokens_enabled:
+        tokens = credentials is not None and credentials.tokens_enabled
+        if tokens:
             service.credentials = credentials  # every call's token checked (see GrpcConnection._headers)
 
         def factory() -> ConnectionHandler:
-            return ConnectionHandler(self, lambda: GrpcConnection(service), TOO_MANY_CONNECTIONS)
+            return ConnectionHandler(self, lambda: GrpcConnection(service), TOO_MANY_CONNECTIONS, token_login=tokens)
 
         if self.listeners is not None and self.listeners.grpc:
             await self._serve_sockets(factory, self.listeners.grpc, "grpc://", direct=DIRECT, kind="grpc")

@@ -159,7 +159,7 @@ def security_settings(config: ServerConfig) -> list[tuple[str, object]]:
         ("ssl_min_version", "tlsv" + (tls.min_version if tls is not None else "1.2")),
         ("auth_token_file", tokens or "NULL"),
         ("metrics_no_auth", "yes" if auth is not None and auth.metrics_no_auth else "no"),
-        ("login_timeout", f"{auth.login_timeout:g}" if users and auth is not None else 0),
+        ("login_timeout", f"{auth.login_timeout:g}" if auth is not None and (users or tokens) else 0),
         ("plain_port", config.plain_port if config.plain_port is not None else 0),
         ("request_timeout", f"{config.request_timeout:g}"),
         ("tls_openssl_direct", "yes" if tls is not None and TLS_DIRECT else "no"),

@@ -44,6 +44,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
+from collections.abc import Callable
 from typing import Any
 
 from h2.connection import _decode_headers
@@ -139,6 +140,7 @@ class GrpcConnection(GrpcCore):
         "_service",
         "_started",
         "_waiting",
+        "on_login",
     )
 
     # The connection glue's read-ahead (memcached connections hold input while a client is behind
@@ -167,6 +169,8 @@ class GrpcConnection(GrpcCore):
         self._requests = 0  # calls the slow path opened (activity less these: the fast path's calls)
         self._answered = 0  # calls the slow path answered
         self._block = 0  # bytes of a header block begun and not ended (the request deadline watches it)
+        #: With --token-file, set by the daemon: called once, at the first call with a good token.
+        self.on_login: Callable[[], None] | None = None
 
     # -- the slow path ---------------------------------------------------------------------------
     def _receive_slow(self, data: bytes) -> bytes:
@@ -349,6 +353,19 @@ class GrpcConnection(GrpcCore):
         self._calm("did not finish its request within --request-timeout")
         return self._h2.data_to_send()
 
+    def login_expired(self) -> bytes:
+        """--login-timeout passed with no call carrying a good token: the GOAWAY to write before the
+        close (as for --request-timeout)."""
+        if self.closing or not self._started:
+            return b""
+        self._calm("did not send a call with a valid bearer token within --login-timeout")
+        return self._h2.data_to_send()
+
+    def _logged_in(self) -> None:
+        on_login, self.on_login = self.on_login, None
+        if on_login is not None:
+            on_login()
+
     def _frame(self, raw: bytes) -> None:
         """One complete frame: the frame budget, the header block's size, bookkeeping for the fast
         path, then h2."""
@@ -407,6 +424,8 @@ class GrpcConnection(GrpcCore):
             tokens = [value for name, value in headers if name == b"authorization"]
             if len(tokens) != 1 or not credentials.check_authorization(tokens[0], count=False):
                 method = 0
+            elif self.on_login is not None:
+                self._logged_in()
         if not neutral:
             block = literal_block(headers)
         if method:  # (the fast path has no call pending here: it hands them all over before the slow path runs)
@@ -494,6 +513,8 @@ class GrpcConnection(GrpcCore):
             text = "invalid bearer token" if authorization else "missing metadata authorization: Bearer <token>"
             self._abort(sid, b"200", svc.UNAUTHENTICATED, text)
             return
+        if credentials is not None and self.on_login is not None:
+            self._logged_in()
         code = svc.METHODS.get(path or b"")
         if code is None:
             self._abort(sid, b"200", svc.UNIMPLEMENTED, svc.unknown_method(path or b""))

@@ -76,6 +76,7 @@ _REASONS = {
     401: b"401 Unauthorized",
     404: b"404 Not Found",
     405: b"405 Method Not Allowed",
+    408: b"408 Request Timeout",
     413: b"413 Content Too Large",
     414: b"414 URI Too Long",
     429: b"429 Too Many Requests",
@@ -220,9 +221,10 @@ class HttpApi:
         probes = (b"/healthz", b"/livez")  # what kubelets and load balancers ask, without credentials
         self._open = frozenset((*probes, b"/metrics") if metrics_open else probes)
 
-    def respond(self, request: Request | Refusal) -> bytes:
+    def respond(self, request: Request | Refusal, on_login: Callable[[], None] | None = None) -> bytes:
         """The response to one request. Raises :class:`ClockWait` (nothing sent, nothing counted) when
-        the request must be retried a little later."""
+        the request must be retried a little later. ``on_login`` is called when the request's token is
+        checked and good (its connection is authenticated from then on; issue 33)."""
         if isinstance(request, Refusal):
             return response(request.status, JSON, error_body(request.message), keep_alive=False)
         target = request.target
@@ -246,6 +248,8 @@ class HttpApi:
             and not credentials.check_authorization(request.authorization)
         ):
             return self._unauthorized(request)
+        if on_login is not None and credentials is not None and path not in self._open:
+            on_login()
         if request.method != b"GET":
             body = b"" if request.method == b"HEAD" else error_body("method not allowed: use GET")
             return response(405, JSON, body, request.keep_alive, b"Allow: GET\r\n")
@@ -354,6 +358,7 @@ class HttpConnection:
         "_url",
         "activity",
         "closing",
+        "on_login",
         "wait",
     )
 
@@ -379,6 +384,22 @@ class HttpConnection:
         self.closing = False
         self.wait = 0.0
         self.activity = 0
+        #: With --token-file, set by the daemon: called once, at the first request with a good token.
+        self.on_login: Callable[[], None] | None = None
+
+    def login_expired(self) -> bytes:
+        """--login-timeout passed with no request carrying a good token: the 408 to write before the
+        close (nothing when a response that closes is already on its way)."""
+        if self.closing:
+            return b""
+        self.closing = True
+        message = "no request with a valid bearer token within --login-timeout"
+        return response(408, JSON, error_body(message), keep_alive=False)
+
+    def _logged_in(self) -> None:
+        on_login, self.on_login = self.on_login, None
+        if on_login is not None:
+            on_login()
 
     def receive(self, data: bytes) -> bytes:
         """Take newly arrived bytes; return the responses to every request complete in them."""
@@ -499,12 +520,13 @@ class HttpConnection:
     def _answer(self) -> bytes:
         queue = self._queue
         respond = self._api.respond
+        login = self._logged_in if self.on_login is not None else None
         out = []
         spent = 0
         while queue:
             request = queue[0]
             try:
-                out.append(respond(request))
+                out.append(respond(request, login))
             except ClockWait as wait:
                 self.wait = max(wait.seconds, 1e-4)
                 break
