@@ -4,14 +4,11 @@ a size and ends within the request deadline. The real-process attacks are in tes
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import pytest
 from grpc_conversations import FETCH, Client, grpc_headers, make_server, message
 from h2.errors import ErrorCodes
 
 from katsubushi_py.daemon.deadlines import holds_partial_request
-from katsubushi_py.frontends import grpc_h2
 from katsubushi_py.frontends.grpc_frames import (
     CONTINUATION,
     END_HEADERS,
@@ -26,13 +23,9 @@ from katsubushi_py.frontends.grpc_frames import (
 BOTH = pytest.mark.parametrize("fast", [True, False], ids=["fast", "slow"])
 
 
-@pytest.fixture(autouse=True)
-def _frozen(monkeypatch: pytest.MonkeyPatch) -> None:
-    # Time stands still: the count alone decides (the budget refills with the real clock).
-    monkeypatch.setattr(grpc_h2, "time", SimpleNamespace(monotonic=lambda: 1000.0))
-
-
 def connect(fast: bool):
+    # The budget refills by the generator's clock, here the fake one, which stands still unless a test
+    # moves it: the count alone decides.
     server, _ = make_server(fast)
     client = Client()
     client.take(server.receive(client.pending()))

@@ -42,7 +42,6 @@ Replies the client does not read stop the reading of its requests (the connectio
 from __future__ import annotations
 
 import logging
-import time
 from collections import deque
 from collections.abc import Callable
 from typing import Any
@@ -136,6 +135,7 @@ class GrpcConnection(GrpcCore):
         "_fast_ok",
         "_h2",
         "_held",
+        "_monotonic_ns",
         "_requests",
         "_service",
         "_started",
@@ -165,7 +165,8 @@ class GrpcConnection(GrpcCore):
         self._held = b""  # input that arrived while a call waits for the clock
         self._started = False
         self._draining = False  # a GOAWAY was sent or received: no new calls
-        self._budget = FrameBudget(time.monotonic())
+        self._monotonic_ns = service.issuer.generator.monotonic_ns  # the generator's clock (a test's fake one)
+        self._budget = FrameBudget(self._monotonic_ns() / 1e9)
         self._requests = 0  # calls the slow path opened (activity less these: the fast path's calls)
         self._answered = 0  # calls the slow path answered
         self._block = 0  # bytes of a header block begun and not ended (the request deadline watches it)
@@ -373,7 +374,7 @@ class GrpcConnection(GrpcCore):
         flags = raw[4]
         sid = int.from_bytes(raw[5:9], "big") & 0x7FFFFFFF
         h2 = self._h2
-        if not self._budget.spend(time.monotonic(), self.activity - self._requests + self._answered):
+        if not self._budget.spend(self._monotonic_ns() / 1e9, self.activity - self._requests + self._answered):
             self._calm("sent too many frames")
             return
         if kind in (HEADERS, CONTINUATION):

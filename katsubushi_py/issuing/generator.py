@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Protocol
 
 from ..compiled import FREE_THREADED, speedups
@@ -459,6 +460,13 @@ class Generator(_GeneratorCore):
         finally:
             state.unlock()
         self.high_water_ms = None
+
+    @property
+    def monotonic_ns(self) -> Callable[[], int]:
+        """The monotonic clock it issues by. A front end measures its own rates (the gRPC frame budget)
+        by it too, so that a test's fake clock drives both and a conversation replays byte for byte
+        whatever the machine's speed."""
+        return self._mono
 
     @property
     def state_path(self) -> str | None:
