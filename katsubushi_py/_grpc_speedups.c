@@ -32,6 +32,10 @@
  * budget counts them (grpc_frames.IDLE_WINDOW_UPDATES; issue 33). */
 #define IDLE_WINDOW_UPDATES 1000
 #define RETURN_AT (65535 / 2)
+/* Fairness (issue 33): a pass stops once it has spent PIECE_BUDGET (a call's reply bytes plus
+ * CALL_COST), holding the rest (backlog) for the connection glue's next slice (grpc_frames). */
+#define PIECE_BUDGET (64 * 1024)
+#define CALL_COST 256
 #define MAX_IDS 1000
 #define WINDOW_MAX 0x7FFFFFFFLL
 
@@ -79,7 +83,7 @@ typedef struct {
     long long idle; /* WINDOW_UPDATEs taken since the last call answered */
     Py_ssize_t commands_at, ids_at; /* offsets of the counters' C integers (_speedups.Counters); -1: use attributes */
     double wait;
-    char fast, closing;
+    char fast, closing, backlog;
 } GrpcCore;
 
 /* A growing output buffer. */
@@ -590,7 +594,7 @@ fast_pass(GrpcCore *self, PyObject *data, int *slow)
     const unsigned char *b = (const unsigned char *)PyBytes_AS_STRING(buf);
     Py_ssize_t n = PyBytes_GET_SIZE(buf), pos = 0;
     Out o = {NULL, 0, 0};
-    long long calls = 0, issued = 0;
+    long long calls = 0, issued = 0, spent = 0;
     int give_up = 0;
     PyObject *result = NULL;
 
@@ -692,6 +696,12 @@ fast_pass(GrpcCore *self, PyObject *data, int *slow)
             calls++;
             self->idle = 0;
             issued += count;
+            spent += mlen + CALL_COST;
+            if (spent >= PIECE_BUDGET && n - end >= 9) { /* the rest in the glue's next slice */
+                pos = end;
+                self->backlog = 1;
+                break;
+            }
         } else if (kind == T_WINDOW_UPDATE && length == 4) {
             long long increment = (long long)(get_be(payload, 4) & 0x7fffffffULL);
             if (!increment || self->idle >= IDLE_WINDOW_UPDATES) {
@@ -802,6 +812,25 @@ GrpcCore_receive(GrpcCore *self, PyObject *data)
 {
     PyObject *first = NULL;
     Out acc = {NULL, 0, 0};
+    if (self->backlog) { /* a piece's budget is spent: hold what arrives behind the rest, until resume */
+        PyObject *more = PyBytes_FromObject(data);
+        if (more == NULL)
+            return NULL;
+        if (PyBytes_GET_SIZE(more)) {
+            Py_ssize_t held = PyBytes_GET_SIZE(self->buffer);
+            PyObject *joined = PyBytes_FromStringAndSize(NULL, held + PyBytes_GET_SIZE(more));
+            if (joined == NULL) {
+                Py_DECREF(more);
+                return NULL;
+            }
+            memcpy(PyBytes_AS_STRING(joined), PyBytes_AS_STRING(self->buffer), held);
+            memcpy(PyBytes_AS_STRING(joined) + held, PyBytes_AS_STRING(more), PyBytes_GET_SIZE(more));
+            Py_SETREF(self->buffer, joined);
+        }
+        Py_DECREF(more);
+        Py_INCREF(empty_bytes);
+        return empty_bytes;
+    }
     Py_INCREF(data);
     for (;;) {
         PyObject *part;
@@ -834,7 +863,7 @@ GrpcCore_receive(GrpcCore *self, PyObject *data)
             }
             Py_DECREF(part);
         }
-        if (!slow || !self->fast || PyBytes_GET_SIZE(self->buffer) < 9)
+        if (!slow || !self->fast || self->backlog || PyBytes_GET_SIZE(self->buffer) < 9)
             break;
         Py_INCREF(empty_bytes);
         data = empty_bytes;
@@ -890,6 +919,7 @@ static PyMemberDef GrpcCore_members[] = {
     {"_handed", T_LONGLONG, offsetof(GrpcCore, handed), 0, NULL},
     {"activity", T_LONGLONG, offsetof(GrpcCore, activity), 0, NULL},
     {"closing", T_BOOL, offsetof(GrpcCore, closing), 0, NULL},
+    {"backlog", T_BOOL, offsetof(GrpcCore, backlog), 0, NULL},
     {"wait", T_DOUBLE, offsetof(GrpcCore, wait), 0, NULL},
     {NULL},
 };
