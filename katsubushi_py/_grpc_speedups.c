@@ -34,7 +34,7 @@
 #define RETURN_AT (65535 / 2)
 /* Fairness (issue 33): a pass stops once it has spent PIECE_BUDGET (a call's reply bytes plus
  * CALL_COST), holding the rest (backlog) for the connection glue's next slice (grpc_frames). */
-#define PIECE_BUDGET (64 * 1024)
+#define PIECE_BUDGET (16 * 1024)
 #define CALL_COST 256
 #define MAX_IDS 1000
 #define WINDOW_MAX 0x7FFFFFFFLL
@@ -81,6 +81,7 @@ typedef struct {
     int npending;
     long long last_stream, out_window, peer_window, in_window, debt, activity, handed;
     long long idle; /* WINDOW_UPDATEs taken since the last call answered */
+    long long spent; /* _spent: this receive's (or resume's) work, both paths' (PIECE_BUDGET) */
     Py_ssize_t commands_at, ids_at; /* offsets of the counters' C integers (_speedups.Counters); -1: use attributes */
     double wait;
     char fast, closing, backlog;
@@ -594,7 +595,7 @@ fast_pass(GrpcCore *self, PyObject *data, int *slow)
     const unsigned char *b = (const unsigned char *)PyBytes_AS_STRING(buf);
     Py_ssize_t n = PyBytes_GET_SIZE(buf), pos = 0;
     Out o = {NULL, 0, 0};
-    long long calls = 0, issued = 0, spent = 0;
+    long long calls = 0, issued = 0;
     int give_up = 0;
     PyObject *result = NULL;
 
@@ -696,8 +697,8 @@ fast_pass(GrpcCore *self, PyObject *data, int *slow)
             calls++;
             self->idle = 0;
             issued += count;
-            spent += mlen + CALL_COST;
-            if (spent >= PIECE_BUDGET && n - end >= 9) { /* the rest in the glue's next slice */
+            self->spent += mlen + CALL_COST;
+            if (self->spent >= PIECE_BUDGET && n - end >= 9) { /* the rest in the glue's next slice */
                 pos = end;
                 self->backlog = 1;
                 break;
@@ -831,6 +832,7 @@ GrpcCore_receive(GrpcCore *self, PyObject *data)
         Py_INCREF(empty_bytes);
         return empty_bytes;
     }
+    self->spent = 0; /* a new piece: both paths spend from it */
     Py_INCREF(data);
     for (;;) {
         PyObject *part;
@@ -917,6 +919,7 @@ static PyMemberDef GrpcCore_members[] = {
     {"_in_window", T_LONGLONG, offsetof(GrpcCore, in_window), 0, NULL},
     {"_debt", T_LONGLONG, offsetof(GrpcCore, debt), 0, NULL},
     {"_handed", T_LONGLONG, offsetof(GrpcCore, handed), 0, NULL},
+    {"_spent", T_LONGLONG, offsetof(GrpcCore, spent), 0, NULL},
     {"activity", T_LONGLONG, offsetof(GrpcCore, activity), 0, NULL},
     {"closing", T_BOOL, offsetof(GrpcCore, closing), 0, NULL},
     {"backlog", T_BOOL, offsetof(GrpcCore, backlog), 0, NULL},

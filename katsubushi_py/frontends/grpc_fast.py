@@ -74,6 +74,7 @@ class PyGrpcCore:
         "_out_window",
         "_peer_window",
         "_pending",
+        "_spent",
         "activity",
         "backlog",
         "closing",
@@ -89,6 +90,7 @@ class PyGrpcCore:
     _debt: int
     _handed: int
     _idle: int
+    _spent: int
     activity: int
     backlog: bool
     closing: bool
@@ -111,6 +113,7 @@ class PyGrpcCore:
         self._next_id = generator.next_id
         self._next_ids = generator.next_ids
         self._counters = counters
+        self._spent = 0  # this receive's (or resume's) work: see PIECE_BUDGET
         self.activity = 0
         self.backlog = False
         self.closing = False
@@ -161,6 +164,7 @@ class PyGrpcCore:
         if self.backlog:
             self._buffer += data
             return b""
+        self._spent = 0  # a new piece: both paths spend from it
         out: list[bytes] = []
         while True:
             if not self._fast:
@@ -182,7 +186,7 @@ class PyGrpcCore:
         n = len(buf)
         pos = 0
         out: list[bytes] = []
-        calls = issued = spent = 0
+        calls = issued = 0
         pending = self._pending
         give_up = False
         while n - pos >= 9:
@@ -263,8 +267,8 @@ class PyGrpcCore:
                 calls += 1
                 issued += count
                 self._idle = 0
-                spent += len(message) + CALL_COST
-                if spent >= PIECE_BUDGET and n - end >= 9:  # the rest in the glue's next slice
+                self._spent += len(message) + CALL_COST
+                if self._spent >= PIECE_BUDGET and n - end >= 9:  # the rest in the glue's next slice
                     pos = end
                     self.backlog = True
                     break

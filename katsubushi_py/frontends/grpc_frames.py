@@ -27,7 +27,7 @@ RETURN_AT = 65535 // 2  # inbound bytes given back with a WINDOW_UPDATE (h2's ru
 # Fairness (issue 33): one receive or resume stops taking frames once it has spent this much, holding
 # the rest of the read (``backlog``) for the connection glue's next slice. The fast path spends a
 # call's reply bytes plus CALL_COST; the slow path FRAME_COST a frame plus the reply bytes it sends.
-PIECE_BUDGET = 64 * 1024
+PIECE_BUDGET = 16 * 1024
 CALL_COST = 256  # the fast path's fixed work of a call, in reply bytes (about 1 µs in C, 5 in Python)
 FRAME_COST = 1024  # one frame through h2 (20 to 60 µs of Python)
 

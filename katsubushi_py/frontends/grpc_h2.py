@@ -135,7 +135,6 @@ class GrpcConnection(GrpcCore):
         "_held",
         "_requests",
         "_service",
-        "_spent",
         "_started",
         "_waiting",
     )
@@ -168,7 +167,6 @@ class GrpcConnection(GrpcCore):
         self._requests = 0  # calls the slow path opened (activity less these: the fast path's calls)
         self._answered = 0  # calls the slow path answered
         self._block = 0  # bytes of a header block begun and not ended (the request deadline watches it)
-        self._spent = 0  # this piece's work (see PIECE_BUDGET)
 
     # -- the slow path ---------------------------------------------------------------------------
     def _receive_slow(self, data: bytes) -> bytes:
@@ -179,7 +177,6 @@ class GrpcConnection(GrpcCore):
             return b""
         out: list[bytes] = []
         self._sync_in(out)
-        self._spent = 0
         self._process(data, out)
         return self._finish(out)
 
