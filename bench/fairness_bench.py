@@ -203,7 +203,9 @@ def run(code: Path, pure: bool, kind: str, seconds: float) -> tuple[str, str, st
     cmd = [sys.executable, "-m", "katsubushi_py", "--worker-id", "1", "--port", str(port)]
     cmd += ["--http-port", str(http_port), "--grpc-port", str(grpc_port)]
     quiet_io = {"stdin": subprocess.DEVNULL, "stdout": subprocess.DEVNULL, "stderr": subprocess.DEVNULL}
-    proc = subprocess.Popen(cmd, env=env, **quiet_io)  # type: ignore[call-overload]
+    # cwd: ``python -m`` puts the working directory first on sys.path, before PYTHONPATH, so run from
+    # elsewhere "before" was this checkout's code too.
+    proc = subprocess.Popen(cmd, env=env, cwd=code, **quiet_io)  # type: ignore[call-overload]
     try:
         wait_port(http_port, proc)
         wait_port(grpc_port, proc)
