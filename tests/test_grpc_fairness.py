@@ -15,7 +15,9 @@ import time
 
 import pytest
 from conftest import Daemon, DaemonFactory, free_port, parse_values, recv_until, wait_for_port
-from grpc_conversations import FETCH_MULTI, Client, grpc_headers, message, varint
+from grpc_conversations import FETCH_MULTI, Client, grpc_headers, make_server, message, varint
+
+from katsubushi_py.frontends.grpc_frames import CALL_COST, FRAME_COST, PIECE_BUDGET
 
 CALLS = 80  # FetchMulti calls of 1,000 IDs in B's one write: twenty ms of the generator at 4,096 IDs a ms
 
@@ -115,3 +117,30 @@ def test_a_concurrent_client_is_served_between_the_slices_of_a_burst_of_grpc_cal
         if inside:
             break
     assert len(inside) >= 2, f"none of A's {len(served)} requests was served between the slices of B's calls"
+
+
+@pytest.mark.parametrize("slow", [False, True], ids=["fast", "h2-slow"])
+def test_one_read_of_many_calls_is_answered_a_piece_at_a_time(slow: bool) -> None:
+    """Sans-IO: one read of CALLS calls is answered a bounded piece per receive or resume, the rest
+    held (``backlog``); what arrives meanwhile is held behind it, not answered ahead of it; and the
+    pieces together answer every call, in order, with unique IDs."""
+    server, _ = make_server(drained=False)
+    client = Client()
+    client.take(server.receive(client.pending()))
+    client.take(server.receive(client.pending()))
+    sids = _burst(client, slow)
+    one_call = 9 + 20 + 9 + 5 + 3 + 10 * 1000 + 9 + 15  # a reply's frames at most
+    most = PIECE_BUDGET + one_call + (FRAME_COST if slow else CALL_COST)
+    pieces = [server.receive(client.pending())]
+    assert server.backlog and len(pieces[0]) <= most
+    late = client.call(FETCH_MULTI, b"\x08\x02")  # arrives while the read is held: answered after it
+    assert server.receive(client.pending()) == b""
+    while server.backlog:
+        pieces.append(server.resume())
+        assert len(pieces[-1]) <= most
+    assert len(pieces) >= CALLS // 2  # a call of 1,000 IDs is more than 8 KB of reply: at most two a piece
+    for piece in pieces:
+        client.take(piece)
+    ids = [i for sid in sids for i in client.replies[sid].ids()]
+    assert len(ids) == CALLS * 1000 == len(set(ids)) and ids == sorted(ids)
+    assert client.replies[late].ids()[0] > ids[-1]
