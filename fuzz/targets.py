@@ -284,10 +284,11 @@ def _grpc_run(conn: Any, clock: StepClock, chunks: list[bytes]) -> tuple[bytes, 
     reply = b""
     for chunk in chunks:
         reply += conn.receive(chunk)
-        for _ in range(1000):
-            if not conn.wait or conn.closing:
+        for _ in range(1000):  # as the connection glue: the clock's waits, and a read held back (backlog)
+            if not (conn.wait or conn.backlog) or conn.closing:
                 break
-            clock.advance_ns(int(conn.wait * 1e9) + 1)
+            if conn.wait:
+                clock.advance_ns(int(conn.wait * 1e9) + 1)
             reply += conn.resume()
         if conn.closing:
             break
