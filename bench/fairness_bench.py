@@ -8,7 +8,11 @@ large requests back to back on one connection and reads every reply as fast as i
 - ``text``: one ``get`` line of 1 MiB of keys (524,288 one-byte keys: 524k IDs), the issue's case;
 - ``binary``: 100,000 ``getkq`` requests and a ``noop`` in one write (100k IDs);
 - ``http``: 100 pipelined ``GET /ids?n=1000`` in one write (100k IDs);
-- ``meta``: 100,000 ``mg k v`` in one write (100k IDs).
+- ``meta``: 100,000 ``mg k v`` in one write (100k IDs);
+- ``grpc``: 100 ``FetchMulti`` calls of 1,000 IDs in one write (100k IDs; the most
+  SETTINGS_MAX_CONCURRENT_STREAMS lets a client open at once), its windows opened for all the replies;
+- ``grpc-slow``: the same with ``grpc-encoding: gzip`` on each call, which makes every call h2's (the
+  slow path), not the fast path's.
 
 Reported for each: the victim's median, 99th percentile and worst latency with no attack, and
 during the attack, and how long the attacker's requests took. With ``--baseline DIR`` the same runs
@@ -56,6 +60,66 @@ def wait_port(port: int, proc: subprocess.Popen[bytes]) -> None:
 
 
 # -- the attacker (a child process) -----------------------------------------------------------------
+GRPC_CALLS = 100
+
+
+def h2_frame(kind: int, flags: int, sid: int, payload: bytes) -> bytes:
+    return len(payload).to_bytes(3, "big") + bytes((kind, flags)) + sid.to_bytes(4, "big") + payload
+
+
+def grpc_burst(first_sid: int, slow: bool) -> bytes:
+    """GRPC_CALLS FetchMulti n=1000, header blocks of literals without indexing (HPACK, no table)."""
+    headers = [(b":method", b"POST"), (b":scheme", b"http"), (b":path", b"/katsubushi.Generator/FetchMulti"),
+               (b":authority", b"x"), (b"content-type", b"application/grpc"), (b"te", b"trailers")]  # fmt: skip
+    if slow:
+        headers.append((b"grpc-encoding", b"gzip"))
+    block = b"".join(b"\x00%c%b%c%b" % (len(n), n, len(v), v) for n, v in headers)
+    body = b"\x00\x00\x00\x00\x03\x08\xe8\x07"  # the message: field 1 = 1000
+    return b"".join(
+        h2_frame(1, 4, sid, block) + h2_frame(0, 1, sid, body)
+        for sid in range(first_sid, first_sid + 2 * GRPC_CALLS, 2)
+    )
+
+
+def grpc_attacker(port: int, seconds: float, slow: bool) -> None:
+    sock = socket.create_connection(("127.0.0.1", port))
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4 << 20)
+    settings = h2_frame(4, 0, 0, (4).to_bytes(2, "big") + (1 << 20).to_bytes(4, "big"))  # initial window 1 MiB
+    sock.sendall(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + settings + h2_frame(8, 0, 0, (1 << 30).to_bytes(4, "big")))
+    sock.sendall(h2_frame(4, 1, 0, b""))  # the server's SETTINGS acknowledged (h2 does not wait for it)
+    durations, sid, buffer = [], 1, b""
+    stop = time.monotonic() + seconds
+    while time.monotonic() < stop:
+        started = time.monotonic()
+        sender = threading.Thread(target=sock.sendall, args=(grpc_burst(sid, slow),))
+        sender.start()
+        sid += 2 * GRPC_CALLS
+        ended = data_bytes = 0
+        while ended < GRPC_CALLS:
+            chunk = sock.recv(1 << 20)
+            if not chunk:
+                raise RuntimeError("closed")
+            buffer += chunk
+            at = 0
+            while len(buffer) - at >= 9:
+                length = int.from_bytes(buffer[at : at + 3], "big")
+                if len(buffer) - at < 9 + length:
+                    break
+                kind, flags = buffer[at + 3], buffer[at + 4]
+                if kind == 0:
+                    data_bytes += length
+                elif kind == 1 and flags & 1 and buffer[at + 5 : at + 9] != bytes(4):
+                    ended += 1
+                elif kind == 7:
+                    raise RuntimeError("GOAWAY")
+                at += 9 + length
+            buffer = buffer[at:]
+        sender.join()
+        sock.sendall(h2_frame(8, 0, 0, data_bytes.to_bytes(4, "big")))  # the connection window back
+        durations.append(time.monotonic() - started)
+    print(" ".join(f"{d:.4f}" for d in durations))
+
+
 def attack_request(kind: str) -> tuple[bytes, bytes, int]:
     """(request, what ends its reply, how many times that end appears)."""
     if kind == "text":
@@ -72,6 +136,9 @@ def attack_request(kind: str) -> tuple[bytes, bytes, int]:
 
 
 def attacker(kind: str, port: int, seconds: float) -> None:
+    if kind.startswith("grpc"):
+        grpc_attacker(port, seconds, slow=kind == "grpc-slow")
+        return
     request, end, count = attack_request(kind)
     sock = socket.create_connection(("127.0.0.1", port))
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4 << 20)
@@ -130,19 +197,22 @@ def figures(latencies: list[float]) -> str:
 
 
 def run(code: Path, pure: bool, kind: str, seconds: float) -> tuple[str, str, str]:
-    port, http_port = free_port(), free_port()
+    port, http_port, grpc_port = free_port(), free_port(), free_port()
     env = {**os.environ, "PYTHONPATH": str(code), "KATSUBUSHI_NO_EXTENSIONS": "1" if pure else "0"}
     env["STATE_DIRECTORY"] = tempfile.mkdtemp(prefix="kp-fair-")
     cmd = [sys.executable, "-m", "katsubushi_py", "--worker-id", "1", "--port", str(port)]
-    cmd += ["--http-port", str(http_port)]
+    cmd += ["--http-port", str(http_port), "--grpc-port", str(grpc_port)]
     quiet_io = {"stdin": subprocess.DEVNULL, "stdout": subprocess.DEVNULL, "stderr": subprocess.DEVNULL}
-    proc = subprocess.Popen(cmd, env=env, **quiet_io)  # type: ignore[call-overload]
+    # cwd: ``python -m`` puts the working directory first on sys.path, before PYTHONPATH, so run from
+    # elsewhere "before" was this checkout's code too.
+    proc = subprocess.Popen(cmd, env=env, cwd=code, **quiet_io)  # type: ignore[call-overload]
     try:
         wait_port(http_port, proc)
+        wait_port(grpc_port, proc)
+        target = {"http": http_port, "grpc": grpc_port, "grpc-slow": grpc_port}.get(kind, port)
         quiet = victim(port, 1.0)
         child = subprocess.Popen(
-            [sys.executable, __file__, "--attacker", kind, "--port", str(http_port if kind == "http" else port),
-             "--seconds", str(seconds)],
+            [sys.executable, __file__, "--attacker", kind, "--port", str(target), "--seconds", str(seconds)],
             stdout=subprocess.PIPE,
         )  # fmt: skip
         time.sleep(0.3)  # the attack under way
@@ -164,7 +234,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--baseline", type=Path)
     parser.add_argument("--pure", action="store_true")
-    parser.add_argument("--kinds", default="text,meta,binary,http")
+    parser.add_argument("--kinds", default="text,meta,binary,http,grpc,grpc-slow")
     args = parser.parse_args()
     if args.attacker:
         attacker(args.attacker, args.port, args.seconds)

@@ -32,6 +32,10 @@
  * budget counts them (grpc_frames.IDLE_WINDOW_UPDATES; issue 33). */
 #define IDLE_WINDOW_UPDATES 1000
 #define RETURN_AT (65535 / 2)
+/* Fairness (issue 33): a pass stops once it has spent PIECE_BUDGET (a call's reply bytes plus
+ * CALL_COST), holding the rest (backlog) for the connection glue's next slice (grpc_frames). */
+#define PIECE_BUDGET (16 * 1024)
+#define CALL_COST 256
 #define MAX_IDS 1000
 #define WINDOW_MAX 0x7FFFFFFFLL
 
@@ -77,9 +81,10 @@ typedef struct {
     int npending;
     long long last_stream, out_window, peer_window, in_window, debt, activity, handed;
     long long idle; /* WINDOW_UPDATEs taken since the last call answered */
+    long long spent; /* _spent: this receive's (or resume's) work, both paths' (PIECE_BUDGET) */
     Py_ssize_t commands_at, ids_at; /* offsets of the counters' C integers (_speedups.Counters); -1: use attributes */
     double wait;
-    char fast, closing;
+    char fast, closing, backlog;
 } GrpcCore;
 
 /* A growing output buffer. */
@@ -692,6 +697,12 @@ fast_pass(GrpcCore *self, PyObject *data, int *slow)
             calls++;
             self->idle = 0;
             issued += count;
+            self->spent += mlen + CALL_COST;
+            if (self->spent >= PIECE_BUDGET && n - end >= 9) { /* the rest in the glue's next slice */
+                pos = end;
+                self->backlog = 1;
+                break;
+            }
         } else if (kind == T_WINDOW_UPDATE && length == 4) {
             long long increment = (long long)(get_be(payload, 4) & 0x7fffffffULL);
             if (!increment || self->idle >= IDLE_WINDOW_UPDATES) {
@@ -802,6 +813,26 @@ GrpcCore_receive(GrpcCore *self, PyObject *data)
 {
     PyObject *first = NULL;
     Out acc = {NULL, 0, 0};
+    if (self->backlog) { /* a piece's budget is spent: hold what arrives behind the rest, until resume */
+        PyObject *more = PyBytes_FromObject(data);
+        if (more == NULL)
+            return NULL;
+        if (PyBytes_GET_SIZE(more)) {
+            Py_ssize_t held = PyBytes_GET_SIZE(self->buffer);
+            PyObject *joined = PyBytes_FromStringAndSize(NULL, held + PyBytes_GET_SIZE(more));
+            if (joined == NULL) {
+                Py_DECREF(more);
+                return NULL;
+            }
+            memcpy(PyBytes_AS_STRING(joined), PyBytes_AS_STRING(self->buffer), held);
+            memcpy(PyBytes_AS_STRING(joined) + held, PyBytes_AS_STRING(more), PyBytes_GET_SIZE(more));
+            Py_SETREF(self->buffer, joined);
+        }
+        Py_DECREF(more);
+        Py_INCREF(empty_bytes);
+        return empty_bytes;
+    }
+    self->spent = 0; /* a new piece: both paths spend from it */
     Py_INCREF(data);
     for (;;) {
         PyObject *part;
@@ -834,7 +865,7 @@ GrpcCore_receive(GrpcCore *self, PyObject *data)
             }
             Py_DECREF(part);
         }
-        if (!slow || !self->fast || PyBytes_GET_SIZE(self->buffer) < 9)
+        if (!slow || !self->fast || self->backlog || PyBytes_GET_SIZE(self->buffer) < 9)
             break;
         Py_INCREF(empty_bytes);
         data = empty_bytes;
@@ -888,8 +919,10 @@ static PyMemberDef GrpcCore_members[] = {
     {"_in_window", T_LONGLONG, offsetof(GrpcCore, in_window), 0, NULL},
     {"_debt", T_LONGLONG, offsetof(GrpcCore, debt), 0, NULL},
     {"_handed", T_LONGLONG, offsetof(GrpcCore, handed), 0, NULL},
+    {"_spent", T_LONGLONG, offsetof(GrpcCore, spent), 0, NULL},
     {"activity", T_LONGLONG, offsetof(GrpcCore, activity), 0, NULL},
     {"closing", T_BOOL, offsetof(GrpcCore, closing), 0, NULL},
+    {"backlog", T_BOOL, offsetof(GrpcCore, backlog), 0, NULL},
     {"wait", T_DOUBLE, offsetof(GrpcCore, wait), 0, NULL},
     {NULL},
 };

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass, field
+from typing import Any
 
 from conftest import FakeClock
 from h2.config import H2Configuration
@@ -159,11 +160,29 @@ class Client:
                 self.goaway = event
 
 
-def make_server(fast: bool = True, sequence_bits: int = 12) -> tuple[GrpcConnection, FakeClock]:
+class DrainedConnection(GrpcConnection):
+    """A GrpcConnection whose ``receive`` also answers what a read's budget held back (``backlog``),
+    as the connection glue does a slice at a time; ``pieces`` counts the resumes that took (the twins
+    must agree on where a read is cut)."""
+
+    def __init__(self, *args: Any, **kw: Any) -> None:
+        super().__init__(*args, **kw)
+        self.pieces = 0
+
+    def receive(self, data: bytes) -> bytes:
+        out = super().receive(data)
+        while self.backlog and not self.wait and not self.closing:
+            self.pieces += 1
+            out += super().resume()
+        return out
+
+
+def make_server(fast: bool = True, sequence_bits: int = 12, drained: bool = True) -> tuple[GrpcConnection, FakeClock]:
     clock = FakeClock()
     layout = Layout(sequence_bits=sequence_bits, worker_bits=22 - sequence_bits, time_bits=41)
     generator = Generator(5, layout, clock=clock, block_on_clock=False)
-    return GrpcConnection(GrpcService(Issuer(generator, "1.0.0")), fast=fast), clock
+    kind = DrainedConnection if drained else GrpcConnection
+    return kind(GrpcService(Issuer(generator, "1.0.0")), fast=fast), clock
 
 
 def script(seed: int, steps: int = 40) -> list[tuple]:

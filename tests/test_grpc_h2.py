@@ -51,8 +51,12 @@ def connect(fast: bool = True, **kw: int):
 
 
 def exchange(server, client: Client, cut: int = 0) -> None:
+    """Send what the client has written, in pieces of ``cut`` bytes; answer it all, as the connection
+    glue does (a slice at a time while a read's budget holds the rest back)."""
     for piece in chunks(client.pending(), cut):
         client.take(server.receive(piece))
+        while server.backlog and not server.wait and not server.closing:
+            client.take(server.resume())
     client.take(server.receive(b""))
 
 

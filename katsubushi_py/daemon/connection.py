@@ -17,12 +17,14 @@ Flow control, for a client that sends faster than it reads its replies:
   client that writes a whole large request before it reads anything (what most memcached clients do
   with a multi-get) finish writing it even over a unix socket, whose buffers are small; memory stays
   bounded by the read-ahead limit plus one read, the transport's high-water mark plus one reply.
-  Other protocols (HTTP) stop reading at once.
+  Other protocols (HTTP, gRPC) stop reading at once.
 - Fairness: what a backlog holds is answered in slices of about :data:`SLICE` (2 ms) of work; between
   two slices the connection yields to the event loop (``call_soon``), so every other connection with
   something to read is served in between. Without this a client that reads its replies as fast as
   they come (so writing never pauses) had a 1 MiB ``get`` line of 524k keys answered in one go, and
-  every other client waited about 410 ms.
+  every other client waited about 410 ms. gRPC's connections do the same with a read of many calls
+  (:data:`~katsubushi_py.frontends.grpc_frames.PIECE_BUDGET` a ``receive`` or ``resume``), and read
+  nothing more until the read is answered: HTTP/2 has its own flow control, so there is no read-ahead.
 
 On a memcached listener the first byte a client sends picks the protocol for the rest of the
 connection, as in memcached and go-katsubushi: ``0x80`` (the binary request magic) the binary
@@ -280,7 +282,11 @@ class ConnectionHandler(ProtocolCore, asyncio.Protocol):
         elif conn.wait:
             self._wait_for_clock(conn.wait)
         elif conn.backlog:  # the client is behind with its replies: read ahead, up to the limit
-            if len(conn._buffer) >= self._daemon.config.read_ahead or self._eof:  # type: ignore[attr-defined]
+            if (
+                not isinstance(conn, _HOLDS_INPUT)  # gRPC: the rest of a read, answered a slice at a time
+                or len(conn._buffer) >= self._daemon.config.read_ahead  # type: ignore[attr-defined]
+                or self._eof
+            ):
                 transport.pause_reading()  # type: ignore[union-attr]
             else:
                 transport.resume_reading()  # type: ignore[union-attr]

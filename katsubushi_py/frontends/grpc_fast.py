@@ -35,6 +35,7 @@ from ..issuing.issuer import MAX_IDS_PER_REQUEST
 from . import grpc_service as svc
 from .grpc_frames import (
     CACHE_SIZE,
+    CALL_COST,
     DATA,
     END_HEADERS,
     END_STREAM,
@@ -42,6 +43,7 @@ from .grpc_frames import (
     IDLE_WINDOW_UPDATES,
     MAX_FRAME,
     MAX_STREAMS,
+    PIECE_BUDGET,
     RETURN_AT,
     WINDOW_UPDATE,
     frame,
@@ -72,7 +74,9 @@ class PyGrpcCore:
         "_out_window",
         "_peer_window",
         "_pending",
+        "_spent",
         "activity",
+        "backlog",
         "closing",
         "wait",
     )
@@ -86,7 +90,9 @@ class PyGrpcCore:
     _debt: int
     _handed: int
     _idle: int
+    _spent: int
     activity: int
+    backlog: bool
     closing: bool
     wait: float
 
@@ -107,7 +113,9 @@ class PyGrpcCore:
         self._next_id = generator.next_id
         self._next_ids = generator.next_ids
         self._counters = counters
+        self._spent = 0  # this receive's (or resume's) work: see PIECE_BUDGET
         self.activity = 0
+        self.backlog = False
         self.closing = False
         self.wait = 0.0
 
@@ -150,7 +158,13 @@ class PyGrpcCore:
 
     def receive(self, data: bytes) -> bytes:
         """Answer what arrived: the fast path while it can, the slow path with the rest; and the fast
-        path again if the slow path stopped early, in steady state, leaving frames in ``_buffer``."""
+        path again if the slow path stopped early, in steady state, leaving frames in ``_buffer``.
+        While ``backlog`` is set (a piece's budget was spent) what arrives is only held, behind the
+        rest, until ``resume``."""
+        if self.backlog:
+            self._buffer += data
+            return b""
+        self._spent = 0  # a new piece: both paths spend from it
         out: list[bytes] = []
         while True:
             if not self._fast:
@@ -160,7 +174,7 @@ class PyGrpcCore:
                 out.append(part)
                 if not slow:
                     break
-            if not self._fast or len(self._buffer) < 9:
+            if not self._fast or self.backlog or len(self._buffer) < 9:
                 break
             data = b""
         return out[0] if len(out) == 1 else b"".join(out)
@@ -253,6 +267,11 @@ class PyGrpcCore:
                 calls += 1
                 issued += count
                 self._idle = 0
+                self._spent += len(message) + CALL_COST
+                if self._spent >= PIECE_BUDGET and n - end >= 9:  # the rest in the glue's next slice
+                    pos = end
+                    self.backlog = True
+                    break
             elif kind == WINDOW_UPDATE and length == 4:
                 increment = int.from_bytes(buf[pos + 9 : end], "big") & 0x7FFFFFFF
                 if not increment or self._idle >= IDLE_WINDOW_UPDATES:

@@ -24,6 +24,12 @@ REFUND_PER_CALL = 8  # frames a call answered earns back (a call takes 2 to 5)
 IDLE_WINDOW_UPDATES = FLOOD_BURST  # the fast path's WINDOW_UPDATEs with no call answered, then the slow path's
 CACHE_SIZE = 16  # recognised header blocks per connection
 RETURN_AT = 65535 // 2  # inbound bytes given back with a WINDOW_UPDATE (h2's rule: half its window)
+# Fairness (issue 33): one receive or resume stops taking frames once it has spent this much, holding
+# the rest of the read (``backlog``) for the connection glue's next slice. The fast path spends a
+# call's reply bytes plus CALL_COST; the slow path FRAME_COST a frame plus the reply bytes it sends.
+PIECE_BUDGET = 16 * 1024
+CALL_COST = 256  # the fast path's fixed work of a call, in reply bytes (about 1 µs in C, 5 in Python)
+FRAME_COST = 1024  # one frame through h2 (20 to 60 µs of Python)
 
 # Frame types and flags (RFC 9113 section 6).
 DATA, HEADERS, PRIORITY, RST_STREAM, SETTINGS, PUSH_PROMISE, PING, GOAWAY, WINDOW_UPDATE, CONTINUATION = range(10)

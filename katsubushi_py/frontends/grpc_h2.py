@@ -68,6 +68,7 @@ from .grpc_frames import (
     CONTINUATION,
     END_HEADERS,
     END_STREAM,
+    FRAME_COST,
     HEADERS,
     HTTP1_METHODS,
     HTTP1_REPLY,
@@ -76,6 +77,7 @@ from .grpc_frames import (
     MAX_HEADER_LIST,
     MAX_MESSAGE,
     MAX_STREAMS,
+    PIECE_BUDGET,
     PREFACE,
     RST_STREAM,
     WINDOW_UPDATE,
@@ -122,10 +124,6 @@ class GrpcConnection(GrpcCore):
     ``closing``, ``wait``, ``activity``), so the daemon's connection glue drives it; plus
     :meth:`goodbye`, the GOAWAY sent before the connection is closed (shutdown, idle timeout)."""
 
-    #: The connection glue's "input held until the reply is written": never here (h2's flow control
-    #: and MAX_STREAMS bound what a client can make it hold), as for HTTP.
-    backlog = False
-
     __slots__ = (
         "_answered",
         "_block",
@@ -143,9 +141,11 @@ class GrpcConnection(GrpcCore):
         "on_login",
     )
 
-    # The connection glue's read-ahead (memcached connections hold input while a client is behind
-    # with its replies) never applies: HTTP/2 has its own flow control, and reading stops instead.
-    backlog = False
+    # ``backlog`` (the fast path's slot) is set when one receive or resume has spent PIECE_BUDGET:
+    # the rest of the read is held in ``_buffer`` and the connection glue calls ``resume`` in its
+    # next slice, after the other connections have had their turn (issue 33's fairness). What arrives
+    # meanwhile is held behind it, up to ``--read-ahead``; a client that does not read its replies
+    # stops being read (pause_writing), as before.
 
     def __init__(self, service: GrpcService, fast: bool = True) -> None:
         self._core_init(service.issuer.generator, service.counters)
@@ -186,11 +186,16 @@ class GrpcConnection(GrpcCore):
         return self._finish(out)
 
     def resume(self) -> bytes:
-        """After ``wait`` seconds: answer the calls that waited for the clock, then what arrived meanwhile."""
+        """After ``wait`` seconds: answer the calls that waited for the clock, then what arrived meanwhile.
+        Or, in the glue's next slice, the next piece of a read held back (``backlog``)."""
+        if self.backlog:
+            self.backlog = False
+            return self.receive(b"")
         self.wait = 0.0
         out: list[bytes] = []
         if self.closing:
             return b""
+        self._spent = 0
         self._sync_in(out)
         try:
             while self._waiting and not self.wait:
@@ -207,7 +212,7 @@ class GrpcConnection(GrpcCore):
             self._h2.close_connection(ErrorCodes.INTERNAL_ERROR, b"internal error")
             self.closing = True
         reply = self._finish(out)
-        if self._fast and len(self._buffer) >= 9:  # the slow path stopped early: the rest is the fast path's
+        if self._fast and not self.backlog and len(self._buffer) >= 9:  # the rest is the fast path's
             reply += self.receive(b"")
         return reply
 
@@ -324,6 +329,11 @@ class GrpcConnection(GrpcCore):
                 pos = end
                 if self.wait:
                     self._held = buf[pos:] + self._held
+                    return
+                self._spent += FRAME_COST
+                if self._spent >= PIECE_BUDGET and n - pos >= 9 and not self.closing:
+                    self._buffer = buf[pos:]  # the rest in the glue's next slice (issue 33)
+                    self.backlog = True
                     return
                 if self._fast_ok and not self._calls and n - pos >= 9 and self._steady():
                     self._buffer = buf[pos:]  # steady again: the caller hands the rest to the fast path
@@ -635,6 +645,7 @@ class GrpcConnection(GrpcCore):
             self._h2.send_headers(call.sid, _REPLY_HEADERS)
             call.headers_sent = True
         call.unsent += b"\x00" + len(message).to_bytes(4, "big") + message
+        self._spent += len(message)
         self._flush(call)
 
     def _flush(self, call: _Call) -> None:
