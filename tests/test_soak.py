@@ -110,7 +110,7 @@ if "katsubushi" in " ".join(sys.argv) and "soak.py" not in " ".join(sys.argv):
 
     def leak():
         while True:
-            kept.append(b"x" * (3 << 20))
+            kept.append(b"x" * (8 << 20))
             for _ in range(3):
                 kept.append(os.open("/dev/null", os.O_RDONLY))
                 time.sleep(0.33)
