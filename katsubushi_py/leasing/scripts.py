@@ -50,9 +50,11 @@ Keys (all with the namespace's hash tag, so a Redis Cluster keeps them in one sl
 every script takes them: ``ids`` (sorted set: worker id scored by lease expiry), ``owners`` (id ->
 holder's token), ``last_ms`` (id -> handover mark), ``released`` (ids released cleanly or whose
 quarantine ends), ``stats`` (counters), ``pool`` (epoch, created_ms, origin, min, max,
-recovering_until_ms, recovery_mark_ms, version, identity, identity_before, changed_ms,
-doubt_until_ms, doubt_mark_ms, format, mark_hw_ms, and replicas / replicas_under: the replica count
-lease writes wait for, and the master identity it was counted under).
+recovering_until_ms, recovery_mark_ms, version, identity, identity_before, changed_ms and
+change_until_ms (the last restart or failover seen and the end of its doubt window), lost_writes_ms
+(the last time writes were found lost with Redis's identity unchanged), doubt_until_ms, doubt_mark_ms,
+format, mark_hw_ms, and replicas / replicas_under: the replica count lease writes wait for, and the
+master identity it was counted under).
 
 - **The pool's high-water mark** (``mark_hw_ms``): the highest handover mark any holder wrote and every
   bound computed below, never lowered; ``cover`` never answers less. Clocks that are off true time
@@ -148,14 +150,30 @@ local function quarantine(id, until_ms, mark, reason)
   redis.call('HINCRBY', KEYS[5], 'quarantined_' .. reason, 1)
 end
 
--- Writes may have been lost: until now + wait, ids leased are not served and start after mark.
-local function open_doubt(wait, mark)
+-- Writes may have been lost: until now + wait, ids leased are not served and start after mark. Why, so
+-- that every daemon's signal says what happened: 'restart' (check_identity saw a restart or failover)
+-- stamps changed_ms and the end of the window it opened (change_until_ms); anything else is writes
+-- found lost with Redis's identity unchanged (a rollback in place, a record rewritten, a live holder's
+-- presence on a free-looking id) and stamps lost_writes_ms: no daemon reports that as a restart.
+local function open_doubt(wait, mark, why)
   local cur = redis.call('HMGET', KEYS[6], 'doubt_until_ms', 'doubt_mark_ms')
   local until_ms = math.max(tonumber(cur[1] or '0'), now + wait)
-  redis.call('HSET', KEYS[6], 'doubt_until_ms', until_ms, 'doubt_mark_ms', math.max(tonumber(cur[2] or '0'), mark),
-    'changed_ms', now)
+  redis.call('HSET', KEYS[6], 'doubt_until_ms', until_ms, 'doubt_mark_ms', math.max(tonumber(cur[2] or '0'), mark))
+  if why == 'restart' then
+    redis.call('HSET', KEYS[6], 'changed_ms', now, 'change_until_ms', now + wait)
+  else
+    redis.call('HSET', KEYS[6], 'lost_writes_ms', now)
+  end
   raise_hw(mark)
   return until_ms
+end
+
+-- The changed_ms scripts answer: when the last restart or failover was seen, while the doubt window it
+-- opened lasts, else 0 (a window opened or extended by lost writes is no restart). A pool stamped before
+-- change_until_ms existed falls back on the doubt window's end.
+local function restart_seen(changed, change_until, doubt)
+  if tonumber(change_until or doubt or '0') > now then return tonumber(changed or '0') end
+  return 0
 end
 
 -- Whether a change of identity from stored to cur is the master's own history going on: the same
@@ -202,7 +220,7 @@ local function check_identity(wait, mark)
   end
   redis.call('HSET', KEYS[6], 'identity_before', stored)
   redis.call('HINCRBY', KEYS[5], 'redis_changes', 1)
-  open_doubt(wait, mark)
+  open_doubt(wait, mark, 'restart')
   return 'changed', stored
 end
 """
@@ -290,7 +308,7 @@ else
   change, before = check_identity(wait, mark_cover)
 end
 local pool = redis.call('HMGET', KEYS[6], 'epoch', 'recovering_until_ms', 'recovery_mark_ms', 'doubt_until_ms',
-  'doubt_mark_ms', 'created_ms', 'changed_ms', 'format')
+  'doubt_mark_ms', 'created_ms', 'changed_ms', 'format', 'change_until_ms')
 local legacy = pool[8] == false
 local barrier, floor = tonumber(pool[2]), tonumber(pool[3])
 local doubt = tonumber(pool[4] or '0')
@@ -299,7 +317,7 @@ if doubt > now then barrier = math.max(barrier, doubt) end
 -- later renews) looks clean with an older mark, and a daemon whose clock is behind (synced to a Redis
 -- clock that is off) must not start below what that holder issued. Within the skew, time has passed it.
 floor = math.max(floor, tonumber(pool[5] or '0'))
-local created_ms, changed_ms = tonumber(pool[6] or '0'), tonumber(pool[7] or '0')
+local created_ms, changed_ms = tonumber(pool[6] or '0'), restart_seen(pool[7], pool[9], pool[4])
 local quarantined, skipped, present = {}, {}, {}
 local later, later_mark, later_stale = nil, nil, 0
 -- Whether a live holder is subscribed to the channel of an id that looks free, and how many subscribe:
@@ -319,7 +337,7 @@ local function held_live(member)
   -- holder has found it at a renew and stopped. Left alone, nothing more to open or count.
   if seen == 0 and tonumber(pool[2]) > now then return true, n end
   if seen == 0 then
-    redis.call('HSET', KEYS[6], field, open_doubt(wait, mark_cover))
+    redis.call('HSET', KEYS[6], field, open_doubt(wait, mark_cover, 'lost'))
     redis.call('HINCRBY', KEYS[5], 'data_loss_events', 1)
     redis.call('HINCRBY', KEYS[5], 'lost_writes_seen', 1)
     present[#present + 1] = tonumber(member)
@@ -413,7 +431,7 @@ local epoch, wait, skew, seen = ARGV[5], tonumber(ARGV[6]), tonumber(ARGV[7]), t
 local marks, good, caller = ARGV[12], ARGV[13] == '1', tonumber(ARGV[14])
 redis.call('HINCRBY', KEYS[5], 'renew_count', 1)
 local pool = redis.call('HMGET', KEYS[6], 'epoch', 'recovering_until_ms', 'version', 'origin', 'doubt_until_ms',
-  'changed_ms', 'mark_hw_ms')
+  'changed_ms', 'mark_hw_ms', 'change_until_ms')
 local mark_cover = cover(ttl, skew, caller)
 local lost = nil
 if not pool[1] then
@@ -430,7 +448,7 @@ if lost then
   end
   return {-3, now, lost, tonumber(redis.call('HGET', KEYS[6], 'recovering_until_ms'))}
 end
-local doubt, changed_ms = tonumber(pool[5] or '0'), tonumber(pool[6] or '0')
+local doubt, changed_ms = tonumber(pool[5] or '0'), restart_seen(pool[6], pool[8], pool[5])
 local owner = redis.call('HGET', KEYS[2], id)
 if not owner then
   -- Nobody removes a live holder's owner entry (an acquire quarantines only a lease that ran out): with
@@ -439,8 +457,8 @@ if not owner then
   -- holder's own next acquire is barred and floored by it too.
   local until_ms, d = now + wait, doubt
   if good then
-    until_ms = open_doubt(wait, mark_cover)
-    d, changed_ms = until_ms, now
+    until_ms = open_doubt(wait, mark_cover, 'lost')
+    d = until_ms
     redis.call('HINCRBY', KEYS[5], 'lost_writes_seen', 1)
   end
   quarantine(id, until_ms, mark_cover, 'vanished')
@@ -452,7 +470,7 @@ if owner ~= token then
   if good then
     -- Taken over while its lease never lapsed: an acquire never takes a live lease (check_record leaves
     -- it), so the record was rolled back under it (its acquire lost) and leased again: lost writes.
-    local until_ms = open_doubt(wait, mark_cover)
+    local until_ms = open_doubt(wait, mark_cover, 'lost')
     redis.call('HINCRBY', KEYS[5], 'data_loss_events', 1)
     redis.call('HINCRBY', KEYS[5], 'lost_writes_seen', 1)
     return {-1, now, until_ms, 1}
@@ -474,14 +492,17 @@ local rolled = tonumber(pool[3]) < seen
 if rolled or (known and not written) then
   -- Not what its holder wrote: writes were lost (a restart, a failover, a restore) or the record was
   -- edited. What else was lost is unknown: doubt about every id nobody vouches for.
+  -- A restart or failover this very script saw has opened the window (and stamped it a restart);
+  -- otherwise Redis is the same one and forgot writes: the window is lost writes'.
   local change = check_identity(wait, mark_cover)
-  local until_ms = open_doubt(wait, mark_cover)
+  local until_ms = open_doubt(wait, mark_cover, change == 'changed' and 'restart' or 'lost')
+  if change == 'changed' then changed_ms = now end
   if rolled then redis.call('HSET', KEYS[6], 'version', seen + 1) end
   quarantine(id, until_ms, mark_cover, 'rewritten')
   redis.call('HINCRBY', KEYS[5], 'data_loss_events', 1)
   local what = 'record changed'
   if rolled then what = 'rolled back' end
-  return {-4, now, what, until_ms, change, expiry_found, mark, until_ms, now}
+  return {-4, now, what, until_ms, change, expiry_found, mark, until_ms, changed_ms}
 end
 local change = 'same'
 if not good or not known then
@@ -504,11 +525,11 @@ end
 -- renews sees both subscriptions and stops its holder (neither has served yet).
 local expected = tonumber(ARGV[16] or '0')
 if expected > 0 and subscribers(ARGV[15]) > expected then
-  local until_ms = open_doubt(wait, mark_cover)
+  local until_ms = open_doubt(wait, mark_cover, 'lost')
   quarantine(id, until_ms, mark_cover, 'claimants')
   redis.call('HINCRBY', KEYS[5], 'data_loss_events', 1)
   redis.call('HINCRBY', KEYS[5], 'lost_writes_seen', 1)
-  return {-4, now, 'two claimants', until_ms, 'same', expiry_found, mark, until_ms, now}
+  return {-4, now, 'two claimants', until_ms, 'same', expiry_found, mark, until_ms, changed_ms}
 end
 if expiry_found < now then redis.call('HINCRBY', KEYS[5], 'renew_after_expiry', 1) end
 local expiry = now + ttl
@@ -546,7 +567,7 @@ local mark_cover = cover(ttl, skew, caller)
 local change = check_identity(wait, mark_cover)
 if redis.call('HGET', KEYS[2], id) ~= ARGV[1] then
   if ARGV[11] ~= '1' then return {0, change, 0} end
-  open_doubt(wait, mark_cover)
+  open_doubt(wait, mark_cover, 'lost')
   redis.call('HINCRBY', KEYS[5], 'data_loss_events', 1)
   redis.call('HINCRBY', KEYS[5], 'lost_writes_seen', 1)
   return {0, change, 1}
@@ -579,8 +600,8 @@ IDENTITY_LUA = (
 if redis.call('EXISTS', KEYS[6]) == 0 then return {'none', now, 0, 0} end
 local wait, skew, ttl, caller = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4])
 local change = check_identity(wait, cover(ttl, skew, caller))
-local cur = redis.call('HMGET', KEYS[6], 'doubt_until_ms', 'changed_ms')
-return {change, now, tonumber(cur[1] or '0'), tonumber(cur[2] or '0')}
+local cur = redis.call('HMGET', KEYS[6], 'doubt_until_ms', 'changed_ms', 'change_until_ms')
+return {change, now, tonumber(cur[1] or '0'), restart_seen(cur[2], cur[3], cur[1])}
 """
 )
 
