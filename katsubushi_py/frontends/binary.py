@@ -270,6 +270,21 @@ class BinaryConnection(BinaryCore):
         gets: list[bytes | int] = []  # the run of gets not answered yet: prefix, opaque, key, 0 each
         gets_start = 0
         unpack = _REQUEST_OPAQUE.unpack_from
+
+        def answer_gets() -> bytes | None:
+            """Answer the run of gets collected so far (into ``out``, counted in ``spent``). When the
+            clock makes them wait: the reply to return now (what came before; the run is kept to be
+            answered after the wait). Called once per run, not per get."""
+            nonlocal spent, gets
+            try:
+                reply = self._answer_gets(gets)
+            except ClockWait as wait:
+                return self._wait(data[gets_start:], wait, b"".join(out))
+            out.append(reply)
+            spent += len(reply)
+            gets = []
+            return None
+
         while size - pos >= HEADER:
             magic, opcode, keylen, extlen, bodylen, opaque = unpack(data, pos)
             if magic != REQUEST_MAGIC or keylen > MAX_KEY or keylen + extlen > bodylen:
@@ -288,13 +303,9 @@ class BinaryConnection(BinaryCore):
                     gets += (prefixes[keylen], opaque, b"", 0)
                 pos = end
                 if len(gets) >= 4 * GET_RUN:  # a long run is answered a piece at a time, under the budget
-                    try:
-                        reply = self._answer_gets(gets)
-                    except ClockWait as wait:
-                        return self._wait(data[gets_start:], wait, b"".join(out))
-                    out.append(reply)
-                    spent += len(reply)
-                    gets = []
+                    waiting = answer_gets()
+                    if waiting is not None:
+                        return waiting
                     if spent >= REPLY_BUDGET:
                         self._buffer = data[pos:]
                         self.backlog = True
@@ -306,13 +317,9 @@ class BinaryConnection(BinaryCore):
             elif end > size:
                 break
             if gets:
-                try:
-                    reply = self._answer_gets(gets)
-                except ClockWait as wait:
-                    return self._wait(data[gets_start:], wait, b"".join(out))
-                out.append(reply)
-                spent += len(reply)
-                gets = []
+                waiting = answer_gets()
+                if waiting is not None:
+                    return waiting
             if spent >= REPLY_BUDGET:  # the rest once this reply is written
                 self._buffer = data[pos:]
                 self.backlog = True
