@@ -38,6 +38,7 @@ from sim_redis_client import SimFinder
 import katsubushi_py.leasing as leasing_pkg
 from katsubushi_py.issuing.errors import GenerationError
 from katsubushi_py.issuing.generator import Generator
+from katsubushi_py.leasing import acquiring as acquiring_module
 from katsubushi_py.leasing import keeper as keeper_module
 from katsubushi_py.leasing.keeper import LeaseKeeper
 from katsubushi_py.leasing.scripts import INIT_LUA
@@ -434,8 +435,10 @@ def simulated_leasing(sim: Simulation) -> Iterator[None]:
         sim.epochs += 1
         return f"epoch-{sim.seed}-{sim.epochs}"
 
-    patch(keeper_module, "new_token", token)
-    patch(keeper_module, "new_epoch", epoch)
+    for module in (keeper_module, acquiring_module):  # the keeper and its acquire side
+        if hasattr(module, "new_token"):
+            patch(module, "new_token", token)
+        patch(module, "new_epoch", epoch)
     state = random.getstate()
     random.seed(sim.seed)
     level = logging.getLogger("katsubushi_py").level

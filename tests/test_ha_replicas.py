@@ -23,7 +23,7 @@ from id_recorder import Recorder
 from lease_helpers import get, init_pool, lease_args, run_tool, stats, wait_serving, wait_until
 from redis_servers import RedisServer, start_redis
 
-from katsubushi_py.leasing import LeaseError, parse_redis_url, scripts
+from katsubushi_py.leasing import LeaseError, lua_parts, parse_redis_url
 from katsubushi_py.leasing.scripts import REPLICAS_LUA, counted
 
 KEYS = [f"{{t}}:{name}" for name in ("ids", "owners", "last_ms", "released", "stats", "pool")]
@@ -128,7 +128,7 @@ def test_every_lease_write_counts_the_replicas_in_its_own_run(pair: tuple[RedisS
     master, _ = pair
     init_pool(master.url, "t", 1, 4)
     client = master.client()
-    write = counted(scripts._NOW + scripts._HELPERS + "redis.call('HINCRBY', KEYS[5], 'w', 1)\nreturn {7}\n")
+    write = counted(lua_parts.NOW + lua_parts.HELPERS + "redis.call('HINCRBY', KEYS[5], 'w', 1)\nreturn {7}\n")
     assert client.eval(write, len(KEYS), *KEYS, "0") == [1, [7]]
     assert client.hget(KEYS[4], "w") == b"1" and client.hget(KEYS[5], "replicas") == b"1"
     replid = client.info("replication")["master_replid"]

@@ -39,7 +39,7 @@ from test_http import fetch, start_http
 from test_http_protocol import parse_replies
 from tls_certs import make_certs
 
-from katsubushi_py.daemon.refusals import RateLimitedLog
+from katsubushi_py.ratelimit import RateLimitedLog
 
 BOTH_PATHS = pytest.mark.parametrize("pure", [False, True], ids=["compiled", "pure"])
 

@@ -23,9 +23,10 @@ clients retry with backoff), counts in ``rejected_connections``, and is logged a
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Callable, Collection, Iterable
 from typing import Any
+
+from ..ratelimit import RateLimitedLog
 
 log = logging.getLogger("katsubushi_py")
 
@@ -52,8 +53,7 @@ class Admission:
         self.unauthenticated = 0  # connections made and not authenticated yet (memcached, HTTP, gRPC)
         self.login_timeouts = 0  # connections closed by --login-timeout
         self.refused_unauthenticated = 0  # refused because the unauthenticated share was full
-        self._unlogged = 0  # refusals not logged yet
-        self._logged_at = -LOG_EVERY
+        self._refusals = RateLimitedLog(every=LOG_EVERY)  # one kind: both limits share the line
 
     def handshakes(self) -> int:
         """TLS handshakes in progress, on every listener."""
@@ -82,14 +82,14 @@ class Admission:
         self._stats.rejected_connections += 1
         if unauthenticated:
             self.refused_unauthenticated += 1
-        self._unlogged += 1
-        now = time.monotonic()
-        if now - self._logged_at >= LOG_EVERY:
+        due = self._refusals.due("connections")
+        if due is not None:
+            unsaid, since = due
             log.warning(
                 "refused %d connection(s) in the last %ds: %s reached (%d connections, %d TLS handshakes in"
                 " progress, %d not authenticated; --max-connections %d, --max-unauthenticated %d)",
-                self._unlogged,
-                round(min(now - self._logged_at, LOG_EVERY)),
+                unsaid + 1,
+                round(min(since, LOG_EVERY)),
                 limit,
                 len(self._connections),
                 self.handshakes(),
@@ -97,8 +97,6 @@ class Admission:
                 self.max_connections,
                 self.max_unauthenticated,
             )
-            self._logged_at = now
-            self._unlogged = 0
         return False
 
     def stat_fields(self) -> list[tuple[str, object]]:

@@ -3,9 +3,9 @@
 
 A hostile client can make the daemon refuse something on every connection (a handshake with a bad
 server name, an accept() that fails for want of descriptors): each refusal is worth a line, but a line
-per attempt would let the client fill the disk and bury everything else. :class:`RateLimitedLog` says
-the first at once, then at most one line per ``every`` seconds for the same kind, with how many were
-left unsaid in between.
+per attempt would let the client fill the disk and bury everything else. :class:`RateLimitedLog`
+(katsubushi_py/ratelimit.py, shared with the issuer and the admission) says the first at once, then at
+most one line per ``every`` seconds for the same kind, with how many were left unsaid in between.
 
 An exception raised where nobody can catch it (CPython's own TLS server-name callback, which decodes
 the name a client sent as ASCII before ours is called) goes to ``sys.unraisablehook``, whose default
@@ -23,45 +23,14 @@ import logging
 import os
 import resource
 import sys
-import time
 from collections.abc import Callable
 from typing import Any
 
+from ..ratelimit import RateLimitedLog, refusals
+
+__all__ = ["DescriptorWatch", "RateLimitedLog", "install_unraisable_hook", "refusals"]
+
 log = logging.getLogger("katsubushi_py")
-
-
-class RateLimitedLog:
-    """At most one line per ``every`` seconds for each kind of refusal; the next one says how many
-    were not logged since. ``clock``: seconds, monotonic (a parameter for tests)."""
-
-    def __init__(self, every: float = 10.0, clock: Callable[[], float] = time.monotonic) -> None:
-        self.every = every
-        self._clock = clock
-        self._last: dict[str, float] = {}
-        self._unsaid: dict[str, int] = {}
-        #: Every refusal seen, logged or not, by kind.
-        self.counts: dict[str, int] = {}
-
-    def __call__(self, kind: str, level: int, message: str, *args: object) -> bool:
-        """Log ``message % args`` unless a line of this ``kind`` was logged within ``every`` seconds;
-        whether it was."""
-        self.counts[kind] = self.counts.get(kind, 0) + 1
-        now = self._clock()
-        last = self._last.get(kind)
-        if last is not None and now - last < self.every:
-            self._unsaid[kind] = self._unsaid.get(kind, 0) + 1
-            return False
-        self._last[kind] = now
-        unsaid = self._unsaid.pop(kind, 0)
-        if unsaid:
-            message += f" ({unsaid} more like it not logged in the last %.0f s)"
-            args = (*args, now - last if last is not None else self.every)
-        log.log(level, message, *args)
-        return True
-
-
-#: The daemon's one instance: accept failures, state-file writes and bad server names share it.
-refusals = RateLimitedLog()
 
 
 class DescriptorWatch:

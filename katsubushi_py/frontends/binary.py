@@ -270,6 +270,7 @@ class BinaryConnection(BinaryCore):
         gets: list[bytes | int] = []  # the run of gets not answered yet: prefix, opaque, key, 0 each
         gets_start = 0
         unpack = _REQUEST_OPAQUE.unpack_from
+
         while size - pos >= HEADER:
             magic, opcode, keylen, extlen, bodylen, opaque = unpack(data, pos)
             if magic != REQUEST_MAGIC or keylen > MAX_KEY or keylen + extlen > bodylen:
@@ -288,12 +289,10 @@ class BinaryConnection(BinaryCore):
                     gets += (prefixes[keylen], opaque, b"", 0)
                 pos = end
                 if len(gets) >= 4 * GET_RUN:  # a long run is answered a piece at a time, under the budget
-                    try:
-                        reply = self._answer_gets(gets)
-                    except ClockWait as wait:
-                        return self._wait(data[gets_start:], wait, b"".join(out))
-                    out.append(reply)
-                    spent += len(reply)
+                    waiting = self._answer_run(gets, data, gets_start, out)
+                    if waiting is not None:
+                        return waiting
+                    spent += len(out[-1])
                     gets = []
                     if spent >= REPLY_BUDGET:
                         self._buffer = data[pos:]
@@ -306,12 +305,10 @@ class BinaryConnection(BinaryCore):
             elif end > size:
                 break
             if gets:
-                try:
-                    reply = self._answer_gets(gets)
-                except ClockWait as wait:
-                    return self._wait(data[gets_start:], wait, b"".join(out))
-                out.append(reply)
-                spent += len(reply)
+                waiting = self._answer_run(gets, data, gets_start, out)
+                if waiting is not None:
+                    return waiting
+                spent += len(out[-1])
                 gets = []
             if spent >= REPLY_BUDGET:  # the rest once this reply is written
                 self._buffer = data[pos:]
@@ -362,6 +359,17 @@ class BinaryConnection(BinaryCore):
                 return response(opcode, data[pos + 12 : pos + 16], INVALID_ARGUMENTS, value=b"Invalid arguments")
         self._buffer = data[pos:]
         return b""
+
+    def _answer_run(self, gets: list[bytes | int], data: bytes, gets_start: int, out: list[bytes]) -> bytes | None:
+        """Answer the run of gets collected so far (``gets``, starting at ``gets_start`` in ``data``):
+        its reply is appended to ``out``. When the clock makes them wait: the reply to return now (what
+        came before; the run is kept for :meth:`resume`). A method, not a closure, so that the receive
+        loop's variables stay plain locals; called once per run, not per get."""
+        try:
+            out.append(self._answer_gets(gets))
+        except ClockWait as wait:
+            return self._wait(data[gets_start:], wait, b"".join(out))
+        return None
 
     def _wait(self, rest: bytes, wait: ClockWait, reply: bytes) -> bytes:
         """Keep ``rest`` (starting with the waiting request) for :meth:`resume`."""

@@ -29,6 +29,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, NamedTuple
 
 from ..compiled import speedups
+from ..ratelimit import RateLimitedLog
 from .errors import ClockWait, GenerationError
 from .generator import Generator
 
@@ -100,7 +101,7 @@ class Issuer:
         self.stats_fields: Callable[[], list[tuple[str, object]]] = self._basic_fields
         self.settings_fields: Callable[[], list[tuple[str, object]]] = self._basic_settings
         self._logged: dict[type, float] = {}
-        self._refusals: dict[str, list[float]] = {}  # reason -> [when last logged, refused since]
+        self._refusals = RateLimitedLog(every=_REFUSAL_LOG_INTERVAL_S)
 
     @property
     def generator(self) -> Generator:
@@ -146,17 +147,13 @@ class Issuer:
     def _refused(self, reason: str, message: str) -> None:
         """Say why requests are refused: a state file that cannot be written or a clock behind refused
         every request for seconds without a line in the log (issue 32). Rate-limited per reason."""
-        now = time.monotonic()
-        seen = self._refusals.get(reason)
-        if seen is not None and now - seen[0] < _REFUSAL_LOG_INTERVAL_S:
-            seen[1] += 1
+        due = self._refusals.due(reason)
+        if due is None:
             return
-        more = (
-            f" ({int(seen[1])} more refused in the last {now - seen[0]:.0f}s)" if seen is not None and seen[1] else ""
-        )
+        unsaid, since = due
+        more = f" ({unsaid} more refused in the last {since:.0f}s)" if unsaid else ""
         hint = _REFUSAL_HINTS.get(reason)
         log.warning("refusing requests for IDs (%s): %s%s%s", reason, message, f"; {hint}" if hint else "", more)
-        self._refusals[reason] = [now, 0]
 
     def issue(self, counters: Counters, n: int = 1) -> list[int] | Failure:
         """``n`` increasing IDs (1 <= n), or why not. Raises :class:`ClockWait` (nothing counted) when

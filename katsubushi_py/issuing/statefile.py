@@ -51,6 +51,7 @@ import os
 import zlib
 from pathlib import Path
 
+from ..ratelimit import refusals
 from .errors import StateFileError
 
 FORMAT = "katsubushi-py-state/1"
@@ -107,12 +108,7 @@ class _Reserve:
 
 def _refused(kind: str, level: int, message: str, *args: object) -> None:
     """A rate-limited log line (the daemon's, when it runs; plain logging otherwise)."""
-    try:
-        from ..daemon.refusals import refusals
-    except ImportError:  # pragma: no cover (the daemon package is always there)
-        log.log(level, message, *args)
-    else:
-        refusals(kind, level, message, *args)
+    refusals(kind, level, message, *args)
 
 
 #: The process's reserve, filled when a state file is first locked.

@@ -65,8 +65,8 @@ class Holding:
         self.lapsed = False  # the last renew sent was sent after the lease lapsed (good 0)
         self.kept_through = 0  # changed_ms of the restart or failover this lease was kept through
         # Until when the doubt window this lease already knows of lasts: the one it was taken in (it was
-        # not kept through that restart: it came after), then one it was kept through. A script that
-        # extends that window (a record found rewritten) re-stamps changed_ms: the same event.
+        # not kept through that restart: it came after), then one it was kept through. Only a restart or
+        # failover stamps changed_ms; a window lost writes opened or extended answers 0 (no restart).
         self.window_until_ms = acquired.doubt_until_ms if acquired.doubt_until_ms > acquired.now_ms else 0
         # Subscribers the first renew may find on the id's holder channel: ours, and any a dead holder left
         # (stale: see scripts.py); more is a second claimant. 0 once the first renew succeeded: no check.

@@ -181,6 +181,9 @@ def pool_stats(snapshot: dict[str, Any]) -> dict[str, Any]:
         # attached): not a restart or failover, no doubt window.
         "backlog_created": counters.get("backlog_created", 0),
         "last_change_ms": number("changed_ms"),
+        # The last doubt window opened by lost writes with Redis's identity unchanged (a rollback in place,
+        # a record rewritten, a live holder's presence on a free-looking id): not a restart or failover.
+        "last_lost_writes_ms": number("lost_writes_ms"),
         "doubt_until_ms": doubt,
         "doubt_left_ms": max(0, doubt - now_ms),
         # Ids whose lease ended without a release, not yet looked at by an acquire.

@@ -92,10 +92,13 @@ class Reporter:
     def news(self, news: PoolNews) -> None:
         """A restart or failover of Redis, whether this daemon's script saw it first or learned of it.
 
-        One restart is one event: every script that opens or extends its doubt window (the identity
-        check, a record found rewritten, a holder that cannot vouch) stamps the window's ``changed_ms``
-        anew, so a stamp within the window already reported is that event, not another; only this
-        daemon's own script seeing the identity change (``change`` 'changed') is always a new one."""
+        One restart is one event: only an identity check that sees it stamps ``changed_ms`` (and the end
+        of the window it opened), and the scripts answer that stamp while the window lasts, so a stamp
+        already reported, or within the window reported, is that event, not another; only this daemon's
+        own script seeing the identity change (``change`` 'changed') is always a new one. A window opened
+        or extended by lost writes (Redis's identity unchanged: a rollback in place, a record rewritten)
+        is no restart: it stamps ``lost_writes_ms`` instead, only the daemon that found them says so (DATA
+        LOSS), and ``lease stats`` shows when (``last_lost_writes_ms``)."""
         if not news.changed_ms or news.changed_ms == self._changes_seen:
             return
         first = news.change == "changed"
@@ -218,9 +221,9 @@ class Reporter:
             elif outcome.doubt_until_ms > outcome.now_ms:
                 self.stats.data_loss_events += 1
                 log.error(
-                    "DATA LOSS: worker id %d is leased to another daemon in %s, which restarted or failed over"
-                    " (the acquire of this daemon's lease was lost, or another daemon leased the id meanwhile)."
-                    " Stopped issuing under it at once; leasing another",
+                    "DATA LOSS: worker id %d is leased to another daemon in %s while the pool is in doubt (Redis"
+                    " lost writes: a restart, a failover or a rollback; the acquire of this daemon's lease was lost,"
+                    " or another daemon leased the id meanwhile). Stopped issuing under it at once; leasing another",
                     worker_id,
                     self.where,
                 )
@@ -265,6 +268,8 @@ class Reporter:
 
     def _record_lost(self, worker_id: int, outcome: RecordLost) -> str:
         restarted = " after Redis restarted or failed over" if outcome.change == "changed" else ""
+        # The window the pool is in: a restart's (changed_ms while it lasts) or one lost writes opened.
+        window = " after Redis restarted or failed over" if outcome.changed_ms else " after Redis lost writes"
         expiry = _at(outcome.found_expiry_ms) if outcome.found_expiry_ms > 0 else str(outcome.found_expiry_ms)
         if outcome.what == "owner entry vanished":
             return (
@@ -279,7 +284,7 @@ class Reporter:
             )
         if outcome.what == "in doubt":
             return (
-                f"worker id {worker_id} is in doubt{restarted or ' after Redis restarted or failed over'}: this"
+                f"worker id {worker_id} is in doubt{restarted or window}: this"
                 " daemon's lease lapsed meanwhile (or a renew's outcome was not seen), so it cannot vouch that"
                 f" nobody leased the id in writes {self.where} lost"
             )

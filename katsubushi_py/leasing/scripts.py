@@ -1,4 +1,4 @@
-"""The Lua scripts that are the only writers of a pool, and the record checks they make.
+"""The Lua scripts that are the only writers of a pool (assembled from lua_parts.py's helpers).
 
 Every script reads ``TIME`` itself, so every daemon is judged by one clock (Redis's); where a bound
 protects uniqueness, the caller's own clock (its generator's, anchored to its monotonic clock) is
@@ -50,9 +50,11 @@ Keys (all with the namespace's hash tag, so a Redis Cluster keeps them in one sl
 every script takes them: ``ids`` (sorted set: worker id scored by lease expiry), ``owners`` (id ->
 holder's token), ``last_ms`` (id -> handover mark), ``released`` (ids released cleanly or whose
 quarantine ends), ``stats`` (counters), ``pool`` (epoch, created_ms, origin, min, max,
-recovering_until_ms, recovery_mark_ms, version, identity, identity_before, changed_ms,
-doubt_until_ms, doubt_mark_ms, format, mark_hw_ms, and replicas / replicas_under: the replica count
-lease writes wait for, and the master identity it was counted under).
+recovering_until_ms, recovery_mark_ms, version, identity, identity_before, changed_ms and
+change_until_ms (the last restart or failover seen and the end of its doubt window), lost_writes_ms
+(the last time writes were found lost with Redis's identity unchanged), doubt_until_ms, doubt_mark_ms,
+format, mark_hw_ms, and replicas / replicas_under: the replica count lease writes wait for, and the
+master identity it was counted under).
 
 - **The pool's high-water mark** (``mark_hw_ms``): the highest handover mark any holder wrote and every
   bound computed below, never lowered; ``cover`` never answers less. Clocks that are off true time
@@ -65,181 +67,12 @@ lease writes wait for, and the master identity it was counted under).
 
 from __future__ import annotations
 
-# Every script reads TIME itself: one clock (Redis's) for every daemon. Effects replication (the
-# default since Redis 5) keeps replicas consistent although TIME and INFO are not deterministic.
-_NOW = """
-pcall(redis.replicate_commands)
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-"""
-
-_HELPERS = """
--- Which Redis this is: run_id changes on every start, master_replid on every promotion (a replica
--- shares its master's). ~20 us of INFO: paid by acquires, releases and renews that cannot vouch for
--- their record, not by a renew that can (see RENEW_LUA).
-local function server_identity()
-  local s = redis.call('INFO', 'server')
-  local r = redis.call('INFO', 'replication')
-  return (string.match(s, 'run_id:(%x+)') or '-') .. '/' .. (string.match(r, 'master_replid:(%x+)') or '-')
-end
-
--- The pool's high-water mark: the highest handover mark any holder of the pool wrote (every renew's
--- high-water mark) and every bound below (quarantines, barriers, doubt windows). Never lowered.
-local function raise_hw(mark)
-  if mark > tonumber(redis.call('HGET', KEYS[6], 'mark_hw_ms') or '0') then
-    redis.call('HSET', KEYS[6], 'mark_hw_ms', mark)
-  end
-end
-
--- The latest millisecond a holder that stops within a ttl from now can have issued: its clock is within
--- the skew of Redis's and within twice the skew of the caller's; and no holder issued past the pool's
--- high-water mark. The latest of the three, so that neither clock having stepped back, nor both being
--- off together (a host synced to a Redis clock that is off), lowers it below what a holder whose record
--- was lost or damaged issued. caller is 0 when unknown.
-local function cover(ttl, skew, caller)
-  local hw = tonumber(redis.call('HGET', KEYS[6], 'mark_hw_ms') or '0')
-  return math.max(now + ttl + skew, caller + ttl + 2 * skew, hw)
-end
-
-local function create_pool(lo, hi, epoch, origin, barrier, mark, identity)
-  redis.call('DEL', KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[6])
-  -- Fresh ids: free since 1970 (scored by their number, so a fresh pool hands them out in order),
-  -- nothing issued (mark 0), released (free and clean). In chunks: a few commands, not three per id.
-  local id = lo
-  while id <= hi do
-    local scores, marks, clean = {}, {}, {}
-    local last = math.min(hi, id + 499)
-    for n = id, last do
-      scores[#scores + 1] = n
-      scores[#scores + 1] = n
-      marks[#marks + 1] = n
-      marks[#marks + 1] = 0
-      clean[#clean + 1] = n
-      clean[#clean + 1] = 1
-    end
-    redis.call('ZADD', KEYS[1], unpack(scores))
-    redis.call('HSET', KEYS[3], unpack(marks))
-    redis.call('HSET', KEYS[4], unpack(clean))
-    id = last + 1
-  end
-  redis.call('HSET', KEYS[6], 'epoch', epoch, 'created_ms', now, 'origin', origin, 'min', lo, 'max', hi,
-    'recovering_until_ms', barrier, 'recovery_mark_ms', mark, 'version', 1, 'identity', identity, 'format', 2,
-    'mark_hw_ms', mark)
-end
-
-local function raise_barrier(barrier, mark)
-  local cur = redis.call('HMGET', KEYS[6], 'recovering_until_ms', 'recovery_mark_ms')
-  if barrier > tonumber(cur[1] or '0') then redis.call('HSET', KEYS[6], 'recovering_until_ms', barrier) end
-  if mark > tonumber(cur[2] or '0') then redis.call('HSET', KEYS[6], 'recovery_mark_ms', mark) end
-  raise_hw(mark)
-end
-
--- Leased to nobody until until_ms (never shortened), mark raised to mark, owner entry removed (a live
--- holder finds at its next renew that the id is not its own), free and clean once it ends.
-local function quarantine(id, until_ms, mark, reason)
-  local cur = tonumber(redis.call('ZSCORE', KEYS[1], id) or '0')
-  redis.call('ZADD', KEYS[1], math.max(until_ms, cur), id)
-  redis.call('HDEL', KEYS[2], id)
-  local old = tonumber(redis.call('HGET', KEYS[3], id) or '0')
-  if mark > old then redis.call('HSET', KEYS[3], id, mark) end
-  raise_hw(mark)
-  redis.call('HSET', KEYS[4], id, 1)
-  redis.call('HINCRBY', KEYS[5], 'quarantined_ids', 1)
-  redis.call('HINCRBY', KEYS[5], 'quarantined_' .. reason, 1)
-end
-
--- Writes may have been lost: until now + wait, ids leased are not served and start after mark.
-local function open_doubt(wait, mark)
-  local cur = redis.call('HMGET', KEYS[6], 'doubt_until_ms', 'doubt_mark_ms')
-  local until_ms = math.max(tonumber(cur[1] or '0'), now + wait)
-  redis.call('HSET', KEYS[6], 'doubt_until_ms', until_ms, 'doubt_mark_ms', math.max(tonumber(cur[2] or '0'), mark),
-    'changed_ms', now)
-  raise_hw(mark)
-  return until_ms
-end
-
--- Whether a change of identity from stored to cur is the master's own history going on: the same
--- process (run_id), a master now, whose replication id changed without a promotion. Redis gives a
--- master a new replication id when it creates its replication backlog (the first replica attaching,
--- or one attaching after repl-backlog-ttl freed it) and clears master_replid2 then; a promotion
--- (REPLICAOF NO ONE, a failover) keeps the id it had in master_replid2 instead. So a master that was
--- demoted, resynced from another (losing writes) and promoted again shows its old id, or another
--- master's, in master_replid2, and is a change. A restart is a new run_id.
-local function backlog_created(stored, cur)
-  local run = string.match(stored, '^(%x+)/')
-  if not run or run ~= string.match(cur, '^(%x+)/') then return false end
-  local r = redis.call('INFO', 'replication')
-  return string.match(r, 'role:(%a+)') == 'master' and string.match(r, 'master_replid2:(%x+)') ==
-    string.rep('0', 40) and string.match(r, 'second_repl_offset:(%-?%d+)') == '-1'
-end
-
--- How many connections are subscribed to a holder channel (``{ns}:holder:<id>``): every holder keeps
--- one subscription to its id's channel from before its first renew until before its release. Only
--- connection state survives a rollback of Redis's data in place (run_id and master_replid unchanged),
--- so a subscriber on an id whose record says free is a live holder whose writes were lost. Sharded
--- (SSUBSCRIBE, Redis >= 7: counted on the slot's node in a cluster) and classic subscribers both count;
--- a Redis without SHARDNUMSUB has only the classic ones.
-local function subscribers(channel)
-  local n = tonumber(redis.call('PUBSUB', 'NUMSUB', channel)[2])
-  local ok, shard = pcall(redis.call, 'PUBSUB', 'SHARDNUMSUB', channel)
-  if ok and type(shard) == 'table' then n = n + tonumber(shard[2]) end
-  return n
-end
-
--- Compare the Redis the pool was last stamped under with this one: 'same' (or the same master with a
--- replication backlog created since: re-stamped, nothing was lost), 'new' (no stamp yet: a pool made
--- before this format) or 'changed' (a restart or a failover since: a doubt window opens).
--- Only for a pool that exists. Returns the state and the identity before.
-local function check_identity(wait, mark)
-  local cur = server_identity()
-  local stored = redis.call('HGET', KEYS[6], 'identity')
-  if stored == cur then return 'same', cur end
-  redis.call('HSET', KEYS[6], 'identity', cur)
-  if not stored then return 'new', '' end
-  if backlog_created(stored, cur) then
-    redis.call('HINCRBY', KEYS[5], 'backlog_created', 1)
-    return 'same', cur
-  end
-  redis.call('HSET', KEYS[6], 'identity_before', stored)
-  redis.call('HINCRBY', KEYS[5], 'redis_changes', 1)
-  open_doubt(wait, mark)
-  return 'changed', stored
-end
-"""
-
-# What an id that looks free (expired by Redis's clock) is, at acquire: 'take' (with its mark), 'skip'
-# (leave it: 'live' a holder's mark is ahead of the caller's clock, 'later' clean but its mark is ahead
-# of the caller's clock (with the mark: taken if nothing better is found), 'range' outside the caller's
-# range) or 'quarantine' with the reason.
-_CHECK_RECORD = """
-local function check_record(member, score, lo, hi, caller, created_ms, legacy)
-  local id = tonumber(member)
-  if id < lo or id > hi then return 'skip', 'range' end
-  local owner = redis.call('HGET', KEYS[2], member)
-  local mark = redis.call('HGET', KEYS[3], member)
-  local released = redis.call('HEXISTS', KEYS[4], member) == 1
-  if not mark then return 'quarantine', 'damaged' end
-  mark = tonumber(mark)
-  if owner and released then return 'quarantine', 'damaged' end
-  if owner then
-    if caller < mark then return 'skip', 'live' end
-    return 'quarantine', 'unreleased'
-  end
-  if not released then
-    -- Only a pool made before release entries (no 'format') has fresh ids without one: in a newer pool
-    -- this is a damaged record (a holder's expiry, mark and owner entry lost), whose holder may be alive.
-    if legacy and mark == 0 and score < created_ms then return 'take', mark end
-    return 'quarantine', 'damaged'
-  end
-  if mark > caller then return 'skip', 'later', mark end
-  return 'take', mark
-end
-"""
+from .lua_parts import CHECK_RECORD, HELPERS, NOW, REPLICA_COUNT
 
 # KEYS: the six. ARGV: min max epoch. Returns the number of ids, or 0 when a pool exists.
 INIT_LUA = (
-    _NOW
-    + _HELPERS
+    NOW
+    + HELPERS
     + """
 if redis.call('EXISTS', KEYS[6]) == 1 then return 0 end
 local lo, hi = tonumber(ARGV[1]), tonumber(ARGV[2])
@@ -267,9 +100,9 @@ return hi - lo + 1
 # time, the one whose lease ended longest ago first (LIMIT: the cost does not grow with the pool); ids
 # never released are quarantined on the way, so a clean one is what is taken.
 ACQUIRE_LUA = (
-    _NOW
-    + _HELPERS
-    + _CHECK_RECORD
+    NOW
+    + HELPERS
+    + CHECK_RECORD
     + """
 local token, ttl, lo, hi = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4])
 local known, wait, skew = ARGV[5], tonumber(ARGV[6]), tonumber(ARGV[7])
@@ -290,7 +123,7 @@ else
   change, before = check_identity(wait, mark_cover)
 end
 local pool = redis.call('HMGET', KEYS[6], 'epoch', 'recovering_until_ms', 'recovery_mark_ms', 'doubt_until_ms',
-  'doubt_mark_ms', 'created_ms', 'changed_ms', 'format')
+  'doubt_mark_ms', 'created_ms', 'changed_ms', 'format', 'change_until_ms')
 local legacy = pool[8] == false
 local barrier, floor = tonumber(pool[2]), tonumber(pool[3])
 local doubt = tonumber(pool[4] or '0')
@@ -299,7 +132,7 @@ if doubt > now then barrier = math.max(barrier, doubt) end
 -- later renews) looks clean with an older mark, and a daemon whose clock is behind (synced to a Redis
 -- clock that is off) must not start below what that holder issued. Within the skew, time has passed it.
 floor = math.max(floor, tonumber(pool[5] or '0'))
-local created_ms, changed_ms = tonumber(pool[6] or '0'), tonumber(pool[7] or '0')
+local created_ms, changed_ms = tonumber(pool[6] or '0'), restart_seen(pool[7], pool[9], pool[4])
 local quarantined, skipped, present = {}, {}, {}
 local later, later_mark, later_stale = nil, nil, 0
 -- Whether a live holder is subscribed to the channel of an id that looks free, and how many subscribe:
@@ -319,7 +152,7 @@ local function held_live(member)
   -- holder has found it at a renew and stopped. Left alone, nothing more to open or count.
   if seen == 0 and tonumber(pool[2]) > now then return true, n end
   if seen == 0 then
-    redis.call('HSET', KEYS[6], field, open_doubt(wait, mark_cover))
+    redis.call('HSET', KEYS[6], field, open_doubt(wait, mark_cover, 'lost'))
     redis.call('HINCRBY', KEYS[5], 'data_loss_events', 1)
     redis.call('HINCRBY', KEYS[5], 'lost_writes_seen', 1)
     present[#present + 1] = tonumber(member)
@@ -405,15 +238,15 @@ return {-1, now, next_free, 0, 0, barrier, created, pool[1], quarantined, 0, ski
 # A holder that vouches for its record (its token, a mark it wrote, a lease that never lapsed) pays no
 # INFO: nobody else can have leased its id, whatever Redis forgot of other ids (see docs/leasing.md).
 RENEW_LUA = (
-    _NOW
-    + _HELPERS
+    NOW
+    + HELPERS
     + """
 local token, id, ttl, hw = ARGV[1], ARGV[2], tonumber(ARGV[3]), tonumber(ARGV[4])
 local epoch, wait, skew, seen = ARGV[5], tonumber(ARGV[6]), tonumber(ARGV[7]), tonumber(ARGV[8])
 local marks, good, caller = ARGV[12], ARGV[13] == '1', tonumber(ARGV[14])
 redis.call('HINCRBY', KEYS[5], 'renew_count', 1)
 local pool = redis.call('HMGET', KEYS[6], 'epoch', 'recovering_until_ms', 'version', 'origin', 'doubt_until_ms',
-  'changed_ms', 'mark_hw_ms')
+  'changed_ms', 'mark_hw_ms', 'change_until_ms')
 local mark_cover = cover(ttl, skew, caller)
 local lost = nil
 if not pool[1] then
@@ -430,7 +263,7 @@ if lost then
   end
   return {-3, now, lost, tonumber(redis.call('HGET', KEYS[6], 'recovering_until_ms'))}
 end
-local doubt, changed_ms = tonumber(pool[5] or '0'), tonumber(pool[6] or '0')
+local doubt, changed_ms = tonumber(pool[5] or '0'), restart_seen(pool[6], pool[8], pool[5])
 local owner = redis.call('HGET', KEYS[2], id)
 if not owner then
   -- Nobody removes a live holder's owner entry (an acquire quarantines only a lease that ran out): with
@@ -439,8 +272,8 @@ if not owner then
   -- holder's own next acquire is barred and floored by it too.
   local until_ms, d = now + wait, doubt
   if good then
-    until_ms = open_doubt(wait, mark_cover)
-    d, changed_ms = until_ms, now
+    until_ms = open_doubt(wait, mark_cover, 'lost')
+    d = until_ms
     redis.call('HINCRBY', KEYS[5], 'lost_writes_seen', 1)
   end
   quarantine(id, until_ms, mark_cover, 'vanished')
@@ -452,7 +285,7 @@ if owner ~= token then
   if good then
     -- Taken over while its lease never lapsed: an acquire never takes a live lease (check_record leaves
     -- it), so the record was rolled back under it (its acquire lost) and leased again: lost writes.
-    local until_ms = open_doubt(wait, mark_cover)
+    local until_ms = open_doubt(wait, mark_cover, 'lost')
     redis.call('HINCRBY', KEYS[5], 'data_loss_events', 1)
     redis.call('HINCRBY', KEYS[5], 'lost_writes_seen', 1)
     return {-1, now, until_ms, 1}
@@ -474,14 +307,17 @@ local rolled = tonumber(pool[3]) < seen
 if rolled or (known and not written) then
   -- Not what its holder wrote: writes were lost (a restart, a failover, a restore) or the record was
   -- edited. What else was lost is unknown: doubt about every id nobody vouches for.
+  -- A restart or failover this very script saw has opened the window (and stamped it a restart);
+  -- otherwise Redis is the same one and forgot writes: the window is lost writes'.
   local change = check_identity(wait, mark_cover)
-  local until_ms = open_doubt(wait, mark_cover)
+  local until_ms = open_doubt(wait, mark_cover, change == 'changed' and 'restart' or 'lost')
+  if change == 'changed' then changed_ms = now end
   if rolled then redis.call('HSET', KEYS[6], 'version', seen + 1) end
   quarantine(id, until_ms, mark_cover, 'rewritten')
   redis.call('HINCRBY', KEYS[5], 'data_loss_events', 1)
   local what = 'record changed'
   if rolled then what = 'rolled back' end
-  return {-4, now, what, until_ms, change, expiry_found, mark, until_ms, now}
+  return {-4, now, what, until_ms, change, expiry_found, mark, until_ms, changed_ms}
 end
 local change = 'same'
 if not good or not known then
@@ -504,11 +340,11 @@ end
 -- renews sees both subscriptions and stops its holder (neither has served yet).
 local expected = tonumber(ARGV[16] or '0')
 if expected > 0 and subscribers(ARGV[15]) > expected then
-  local until_ms = open_doubt(wait, mark_cover)
+  local until_ms = open_doubt(wait, mark_cover, 'lost')
   quarantine(id, until_ms, mark_cover, 'claimants')
   redis.call('HINCRBY', KEYS[5], 'data_loss_events', 1)
   redis.call('HINCRBY', KEYS[5], 'lost_writes_seen', 1)
-  return {-4, now, 'two claimants', until_ms, 'same', expiry_found, mark, until_ms, now}
+  return {-4, now, 'two claimants', until_ms, 'same', expiry_found, mark, until_ms, changed_ms}
 end
 if expiry_found < now then redis.call('HINCRBY', KEYS[5], 'renew_after_expiry', 1) end
 local expiry = now + ttl
@@ -537,8 +373,8 @@ return {1, now, expiry, tonumber(pool[2]), version, free, total, mark, doubt, ch
 # Returns {1, change} or {0, change, lost} if the id is not ours (or the pool is not the one we leased it
 # from); lost 1: the holder vouched for its lease, so writes were lost and the doubt window is open.
 RELEASE_LUA = (
-    _NOW
-    + _HELPERS
+    NOW
+    + HELPERS
     + """
 local id, wait, skew, ttl, caller = ARGV[2], tonumber(ARGV[6]), tonumber(ARGV[7]), tonumber(ARGV[8]), tonumber(ARGV[9])
 if redis.call('HGET', KEYS[6], 'epoch') ~= ARGV[4] then return {0, 'same'} end
@@ -546,7 +382,7 @@ local mark_cover = cover(ttl, skew, caller)
 local change = check_identity(wait, mark_cover)
 if redis.call('HGET', KEYS[2], id) ~= ARGV[1] then
   if ARGV[11] ~= '1' then return {0, change, 0} end
-  open_doubt(wait, mark_cover)
+  open_doubt(wait, mark_cover, 'lost')
   redis.call('HINCRBY', KEYS[5], 'data_loss_events', 1)
   redis.call('HINCRBY', KEYS[5], 'lost_writes_seen', 1)
   return {0, change, 1}
@@ -573,52 +409,19 @@ return {1, change}
 # doubt window opened, within a round trip of the first holder reconnecting, not at the next acquire.
 # Returns {change, now, doubt_until_ms, changed_ms} ('none' when no pool exists).
 IDENTITY_LUA = (
-    _NOW
-    + _HELPERS
+    NOW
+    + HELPERS
     + """
 if redis.call('EXISTS', KEYS[6]) == 0 then return {'none', now, 0, 0} end
 local wait, skew, ttl, caller = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4])
 local change = check_identity(wait, cover(ttl, skew, caller))
-local cur = redis.call('HMGET', KEYS[6], 'doubt_until_ms', 'changed_ms')
-return {change, now, tonumber(cur[1] or '0'), tonumber(cur[2] or '0')}
+local cur = redis.call('HMGET', KEYS[6], 'doubt_until_ms', 'changed_ms', 'change_until_ms')
+return {change, now, tonumber(cur[1] or '0'), restart_seen(cur[2], cur[3], cur[1])}
 """
 )
 
-# The replica count a lease write must reach (see link.py): the most replicas this master has had
-# connected since it last started or was promoted. Recorded in the pool under the master's identity
-# (run_id/master_replid), so a daemon that connects to a master later, or again, knows it too: a master
-# cut off from its replicas (connected_slaves 0) is still waited on for them. A new identity (a
-# restart, a promotion) starts from its own count. ``full`` false (a lease write's own count, after its
-# write, on a connection that has written before) skips the identity's INFO server when there is
-# nothing to record: the record is under this master_replid and counts at least the replicas connected
-# now. Only a process that kept another's replication id (a restart that kept it) could share the
-# record; a new process means a new connection, whose first write compares the whole identity.
-_REPLICA_COUNT = """
-local function replica_count(full)
-  local r = redis.call('INFO', 'replication')
-  local n = tonumber(string.match(r, 'connected_slaves:(%d+)') or '0')
-  local cur = redis.call('HMGET', KEYS[6], 'replicas_under', 'replicas')
-  local most = tonumber(cur[2] or '0')
-  if not full and cur[1] and n <= most then
-    local replid = '/' .. (string.match(r, 'master_replid:(%x+)') or '-')
-    if string.sub(cur[1], -#replid) == replid then return most end
-  end
-  if redis.call('EXISTS', KEYS[6]) == 0 then return n end
-  local id = server_identity()
-  if cur[1] ~= id then
-    redis.call('HSET', KEYS[6], 'replicas_under', id, 'replicas', n)
-    return n
-  end
-  if n > most then
-    redis.call('HSET', KEYS[6], 'replicas', n)
-    return n
-  end
-  return most
-end
-"""
-
 # KEYS: the six. No ARGV. Returns the replica count (above): asked by ``lease stats`` and the tests.
-REPLICAS_LUA = _NOW + _HELPERS + _REPLICA_COUNT + "return replica_count(true)\n"
+REPLICAS_LUA = NOW + HELPERS + REPLICA_COUNT + "return replica_count(true)\n"
 
 
 def counted(script: str) -> str:
@@ -628,13 +431,13 @@ def counted(script: str) -> str:
     and a replica the write saw is recorded for every later write on that master (see link.py). One
     more ARGV, after the script's own: '1' to compare the master's whole identity (a connection's
     first write), '0' otherwise."""
-    prefix = _NOW + _HELPERS
+    prefix = NOW + HELPERS
     if not script.startswith(prefix):
         raise ValueError("only a lease script (TIME and the helpers first) can be counted")
     body = script[len(prefix) :]
     return (
         prefix
-        + _REPLICA_COUNT
+        + REPLICA_COUNT
         + "local function lease_write()\n"
         + body
         + "\nend\nlocal reply = lease_write()\nreturn {replica_count(ARGV[#ARGV] == '1'), reply}\n"
