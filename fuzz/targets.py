@@ -249,14 +249,16 @@ _pure_grpc_classes: dict[type, type] = {}
 
 def _pure_grpc(cls: type) -> type:
     """GrpcConnection rebuilt on PyGrpcCore (what KATSUBUSHI_NO_EXTENSIONS=1 builds)."""
-    from katsubushi_py.frontends.grpc_fast import PyGrpcCore
+    from katsubushi_py.frontends.grpc_fast import GrpcCore, PyGrpcCore
 
-    if cls.__mro__[1] is PyGrpcCore:
+    if PyGrpcCore in cls.__mro__:
         return cls
     if cls not in _pure_grpc_classes:
         slots = set(cls.__slots__)
         namespace = {k: v for k, v in vars(cls).items() if k not in slots and k not in ("__dict__", "__weakref__")}
-        _pure_grpc_classes[cls] = type("Pure" + cls.__name__, (PyGrpcCore,), namespace)
+        # The same bases (GrpcCalls, the calls' half) with the compiled core swapped for its pure twin.
+        bases = tuple(PyGrpcCore if base is GrpcCore else base for base in cls.__bases__)
+        _pure_grpc_classes[cls] = type("Pure" + cls.__name__, bases, namespace)
     return _pure_grpc_classes[cls]
 
 
