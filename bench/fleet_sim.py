@@ -87,6 +87,11 @@ class Holder:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await self.task
         await self.keeper._drop_client()
+        # A killed process's sockets close with it, the holder channel's too: Redis drops its
+        # subscription at once. (Left open, the dead holder would look like a live one to an acquire.)
+        presence = getattr(self.keeper, "presence", None)  # none before issue 32
+        if presence is not None:
+            await presence.release(everything=True)
 
 
 @dataclass
