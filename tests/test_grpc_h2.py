@@ -362,6 +362,25 @@ def test_the_inbound_window_is_given_back(fast: bool) -> None:
 
 # -- answers the specifications give -------------------------------------------------------------------
 @BOTH
+def test_a_call_refused_from_its_headers_is_answered_once_the_client_has_sent_its_body(fast: bool) -> None:
+    """curl 7.88 sent its body after an answer that came first, then waited for nothing until its own
+    timeout (about one unknown-method call in thirty, by timing): the refusal waits for the request to
+    be whole, then comes at once, with no RST_STREAM."""
+    server, client, _ = connect(fast)
+    nope = client.open(b"/katsubushi.Generator/Nope")  # HEADERS without END_STREAM: the body follows
+    client.take(server.receive(client.pending()))
+    assert client.replies[nope].headers == {} and not client.replies[nope].ended
+    client.send(nope, message(b""))  # the body, and the end of the client's side
+    client.take(server.receive(client.pending()))
+    assert status(client, nope) == (b"200", b"12", b"unknown method Nope for service katsubushi.Generator")
+    assert client.replies[nope].ended and client.replies[nope].reset is None
+    assert server._calls == {}  # nothing left of it
+    fetch = client.call(FETCH)  # and the connection serves on
+    exchange(server, client)
+    assert status(client, fetch)[:2] == (b"200", b"0")
+
+
+@BOTH
 def test_bad_calls_get_the_grpc_answers(fast: bool) -> None:
     server, client, _ = connect(fast)
     ctype = client.open(FETCH, grpc_headers(FETCH, content_type=b"text/plain"))

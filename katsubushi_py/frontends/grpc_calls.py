@@ -38,10 +38,22 @@ def _grpc_message(text: str) -> bytes:
 class _Call:
     """An open stream."""
 
-    __slots__ = ("body", "encoding", "ended", "headers_sent", "messages", "method", "sid", "trailers", "unsent")
+    __slots__ = (
+        "body",
+        "encoding",
+        "ended",
+        "headers_sent",
+        "messages",
+        "method",
+        "refusal",
+        "sid",
+        "trailers",
+        "unsent",
+    )
 
     def __init__(self, sid: int, method: int, encoding: bytes | None) -> None:
         self.sid = sid
+        self.refusal: list[tuple[bytes, bytes]] | None = None  # a refusal to send once the client ends its side
         self.method = method
         self.encoding = encoding
         self.body = b""  # bytes of a request message still arriving
@@ -97,14 +109,14 @@ class GrpcCalls:
             ctype == b"application/grpc" or ctype.startswith((b"application/grpc+", b"application/grpc;"))
         ):
             shown = (ctype or b"").decode("utf-8", "replace")
-            self._abort(sid, b"415", svc.INVALID_ARGUMENT, f'invalid gRPC request content-type "{shown}"')
+            self._abort(sid, ended, b"415", svc.INVALID_ARGUMENT, f'invalid gRPC request content-type "{shown}"')
             return
         if timeout is not None and not valid_timeout(timeout):
-            self._abort(sid, b"400", svc.INTERNAL, f"malformed grpc-timeout: {timeout.decode('latin-1')!r}")
+            self._abort(sid, ended, b"400", svc.INTERNAL, f"malformed grpc-timeout: {timeout.decode('latin-1')!r}")
             return
         if method != b"POST":
             shown = (method or b"").decode("utf-8", "replace")
-            self._abort(sid, b"405", svc.INTERNAL, f'method "{shown}" is not allowed: gRPC calls are POST')
+            self._abort(sid, ended, b"405", svc.INTERNAL, f'method "{shown}" is not allowed: gRPC calls are POST')
             return
         credentials = self._service.credentials
         if credentials is not None and authorizations > 1:
@@ -112,17 +124,17 @@ class GrpcCalls:
             # proxy in front may judge the first, we the last): the call is refused whatever they say.
             credentials.check_authorization(None)  # counted as a failed authentication
             text = f"{authorizations} authorization metadata values: send exactly one (Bearer <token>)"
-            self._abort(sid, b"200", svc.UNAUTHENTICATED, text)
+            self._abort(sid, ended, b"200", svc.UNAUTHENTICATED, text)
             return
         if credentials is not None and not credentials.check_authorization(authorization):
             text = "invalid bearer token" if authorization else "missing metadata authorization: Bearer <token>"
-            self._abort(sid, b"200", svc.UNAUTHENTICATED, text)
+            self._abort(sid, ended, b"200", svc.UNAUTHENTICATED, text)
             return
         if credentials is not None and self.on_login is not None:
             self._logged_in()  # type: ignore[attr-defined]  # (the connection's)
         code = svc.METHODS.get(path or b"")
         if code is None:
-            self._abort(sid, b"200", svc.UNIMPLEMENTED, svc.unknown_method(path or b""))
+            self._abort(sid, ended, b"200", svc.UNIMPLEMENTED, svc.unknown_method(path or b""))
             return
         if encoding == b"identity":
             encoding = None
@@ -180,7 +192,11 @@ class GrpcCalls:
 
     def _ended(self, call: _Call) -> None:
         """The client ended its side of the call: a unary call is answered now."""
-        if not call.method:  # already answered with an error
+        if not call.method:  # refused from its headers (answered now), or already answered with an error
+            if call.refusal is not None:
+                self._h2.send_headers(call.sid, call.refusal, end_stream=True)
+                call.refusal = None
+                self._calls.pop(call.sid, None)
             return
         if call.method == svc.REFLECTION:
             if call.body:
@@ -214,10 +230,14 @@ class GrpcCalls:
         self._trailers(call, reply.status, reply.text, reply.trailers)
         return True
 
-    def _abort(self, sid: int, http_status: bytes, status: int, text: str, extra: tuple = ()) -> None:
-        """A call refused from its headers: one HEADERS frame (trailers only), at once. What the client
-        still sends on the stream is read and dropped; no RST_STREAM (grpc-go sends one, which makes curl,
-        still sending its body, report an error instead of the answer)."""
+    def _abort(self, sid: int, ended: bool, http_status: bytes, status: int, text: str, extra: tuple = ()) -> None:
+        """A call refused from its headers: one HEADERS frame (trailers only), once the client has ended
+        its side (at once if its HEADERS ended the stream). What it still sends is read and dropped. No
+        RST_STREAM (grpc-go sends one, which makes curl, still sending its body, report an error instead
+        of the answer), and no answer before the request is whole: curl 7.88, given the answer before it
+        had sent its body, sent the body and then waited for nothing until its own timeout (about one
+        call in thirty, by timing). A client that never ends the stream is closed at --request-timeout,
+        as any request left incomplete."""
         headers = [
             (b":status", http_status),
             (b"content-type", b"application/grpc"),
@@ -225,7 +245,11 @@ class GrpcCalls:
             (b"grpc-message", _grpc_message(text)),
             *extra,
         ]
-        self._h2.send_headers(sid, headers, end_stream=True)
+        if ended:
+            self._h2.send_headers(sid, headers, end_stream=True)
+            return
+        call = self._calls[sid] = _Call(sid, 0, None)  # method 0: what arrives on it is dropped
+        call.refusal = headers
 
     def _fail(self, call: _Call, status: int, text: str, extra: tuple = ()) -> None:
         """End a call with an error status; what the client still sends on it is ignored."""
